@@ -1,0 +1,240 @@
+"""Hugging Face safetensors checkpoints, read by slices and written as a stream.
+
+Reading opens every shard lazily and reads only the rows or columns asked for, so a rank never
+holds a tensor it does not own. Writing lays out each file's header from the list of tensors
+it will hold, then appends each tensor as it arrives: the writer holds one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors import safe_open
+
+from stapo_megatron.config import ConfigError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+_DTYPE_CODES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"dtype: unknown torch dtype {name!r}")
+    return dtype
+
+
+class HFCheckpoint:
+    """A Hugging Face checkpoint directory: one ``model.safetensors`` or shards with an index."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ConfigError(f"{index}: has no weight_map")
+            self._file_of = dict(weight_map)
+        elif (self.path / SINGLE_FILE).is_file():
+            self._file_of = None
+        else:
+            raise ConfigError(f"{self.path}: no {SINGLE_FILE} or {INDEX_FILE} (not a Hugging Face safetensors checkpoint)")
+        self._handles: dict[str, object] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, torch.dtype] = {}
+        files = sorted(set(self._file_of.values())) if self._file_of else [SINGLE_FILE]
+        for file in files:
+            if not (self.path / file).is_file():
+                raise ConfigError(f"{self.path / INDEX_FILE}: names shard {file}, which does not exist")
+            for name, (shape, code) in _read_header(self.path / file).items():
+                if self._file_of is not None and self._file_of.get(name) != file:
+                    continue
+                self._shapes[name] = shape
+                self._dtypes[name] = _CODE_DTYPES[code]
+        if self._file_of is None:
+            self._file_of = {name: SINGLE_FILE for name in self._shapes}
+        missing_in_files = sorted(set(self._file_of) - set(self._shapes))
+        if missing_in_files:
+            raise ConfigError(
+                f"{self.path / INDEX_FILE}: tensor {missing_in_files[0]} is not in {self._file_of[missing_in_files[0]]}"
+            )
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._dtypes[name]
+
+    def check(self, expected: dict[str, tuple[int, ...]], ignorable: Iterable[str] = ()) -> None:
+        """Every expected tensor present with its shape, and nothing else (but ``ignorable``)."""
+        missing = [n for n in expected if n not in self._shapes]
+        if missing:
+            raise ConfigError(f"{self.path}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
+        extra = [n for n in self._shapes if n not in expected and n not in set(ignorable)]
+        if extra:
+            raise ConfigError(f"{self.path}: unexpected tensor {extra[0]} ({len(extra)} unexpected in all)")
+        for name, shape in expected.items():
+            if tuple(self._shapes[name]) != tuple(shape):
+                raise ConfigError(
+                    f"{self.path}: tensor {name} has shape {list(self._shapes[name])}, expected {list(shape)}"
+                )
+
+    def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, stop) of a tensor; all of it if start is None."""
+        if name not in self._file_of:
+            raise ConfigError(f"{self.path}: tensor {name} is missing")
+        file = self._file_of[name]
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._handles[file] = safe_open(str(self.path / file), framework="pt")
+        if start is None:
+            return handle.get_tensor(name)
+        view = handle.get_slice(name)
+        return view[start:stop] if dim == 0 else view[:, start:stop]
+
+
+def _read_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ConfigError(f"{path}: truncated safetensors file")
+        (size,) = struct.unpack("<Q", raw)
+        try:
+            header = json.loads(f.read(size))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ConfigError(f"{path}: corrupt safetensors header") from None
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _CODE_DTYPES:
+            raise ConfigError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        out[name] = (tuple(info["shape"]), info["dtype"])
+    return out
+
+
+class SafetensorsStreamWriter:
+    """Writes a known sequence of tensors into safetensors files, one tensor in memory at a time.
+
+    ``plan`` lists (name, shape, dtype) in the order :meth:`write` will receive them; files are
+    cut so that none exceeds ``max_file_bytes`` (a tensor larger than that gets its own file).
+    Files are named ``{prefix}{k}.safetensors`` in ``directory``.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        plan: list[tuple[str, tuple[int, ...], torch.dtype]],
+        max_file_bytes: int,
+        prefix: str = "part-",
+    ):
+        self.directory = Path(directory)
+        self.files: list[tuple[str, list[str], int]] = []  # (file name, tensor names, bytes)
+        groups: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = []
+        size = 0
+        for entry in plan:
+            nbytes = _nbytes(entry[1], entry[2])
+            if not groups or (size + nbytes > max_file_bytes and groups[-1]):
+                groups.append([])
+                size = 0
+            groups[-1].append(entry)
+            size += nbytes
+        self._groups = groups
+        self._names = [name for group in groups for name, _, _ in group]
+        self._position = 0
+        self._group_index = -1
+        self._left_in_group = 0
+        self._file = None
+        self._expected: tuple[str, tuple[int, ...], torch.dtype] | None = None
+        for k, group in enumerate(groups):
+            self.files.append((f"{prefix}{k}.safetensors", [n for n, _, _ in group], sum(_nbytes(s, d) for _, s, d in group)))
+
+    def _open_next(self):
+        self._group_index += 1
+        group = self._groups[self._group_index]
+        header, offset = {}, 0
+        for name, shape, dtype in group:
+            nbytes = _nbytes(shape, dtype)
+            header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        header["__metadata__"] = {"format": "pt"}
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # keep the data 8-byte aligned, as safetensors does
+        self._file = open(self.directory / self.files[self._group_index][0], "wb")
+        self._file.write(struct.pack("<Q", len(encoded)))
+        self._file.write(encoded)
+        self._left_in_group = len(group)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._position >= len(self._names):
+            raise ValueError(f"tensor {name} was not planned (all {len(self._names)} tensors already written)")
+        if self._left_in_group == 0:
+            if self._file is not None:
+                self._file.close()
+            self._open_next()
+        group = self._groups[self._group_index]
+        planned_name, shape, dtype = group[len(group) - self._left_in_group]
+        if name != planned_name or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+            raise ValueError(
+                f"tensor {name} {list(tensor.shape)} {tensor.dtype} arrived where {planned_name} "
+                f"{list(shape)} {dtype} was planned"
+            )
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self._file.write(data.numpy().data)
+        self._left_in_group -= 1
+        self._position += 1
+
+    def close(self) -> None:
+        if self._position != len(self._names):
+            raise ValueError(f"only {self._position} of {len(self._names)} planned tensors were written")
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count * torch.empty((), dtype=dtype).element_size()
+
+
+def finalize_shards(directory: str | os.PathLike, files: list[tuple[str, list[str], int]]) -> None:
+    """Rename part files to ``model-0000k-of-0000n.safetensors`` and write the index (or a single file)."""
+    directory = Path(directory)
+    total = len(files)
+    if total == 1:
+        os.replace(directory / files[0][0], directory / SINGLE_FILE)
+        return
+    weight_map, total_size = {}, 0
+    for k, (part, names, nbytes) in enumerate(files, start=1):
+        final = f"model-{k:05d}-of-{total:05d}.safetensors"
+        os.replace(directory / part, directory / final)
+        weight_map.update({name: final for name in names})
+        total_size += nbytes
+    with open(directory / INDEX_FILE, "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f, indent=2)
