@@ -140,9 +140,12 @@ def _stage_tensors(model: torch.nn.Module, arch: Qwen3Config, dtype: torch.dtype
         if mapping.layout == "replicated" or tp_size == 1:
             full = local
         else:
-            shards = [torch.empty_like(local) for _ in range(tp_size)]
-            dist.all_gather(shards, local.contiguous(), group=tp_group)
-            full = torch.cat(shards, dim=gather_dim(mapping))
+            # Gather straight into one buffer: a single full-size tensor, no list of shards.
+            stacked = local.new_empty((tp_size * local.shape[0], *local.shape[1:]))
+            dist.all_gather_into_tensor(stacked, local.contiguous(), group=tp_group)
+            full = stacked
+            if gather_dim(mapping) == 1:
+                full = stacked.reshape(tp_size, *local.shape).transpose(0, 1).reshape(local.shape[0], -1)
         for name, tensor in to_hf(mapping, full, arch, tp_size):
             yield name, tensor.to(dtype or tensor.dtype).contiguous()
 

@@ -1,7 +1,7 @@
 """Hugging Face safetensors checkpoints, read by slices and written as a stream.
 
-Reading opens every shard lazily and reads only the rows or columns asked for, so a rank never
-holds a tensor it does not own. Writing lays out each file's header from the list of tensors
+Reading reads only the bytes of the rows or columns asked for, so a rank never holds a tensor
+it does not own. Writing lays out each file's header from the list of tensors
 it will hold, then appends each tensor as it arrives: the writer holds one tensor at a time.
 """
 
@@ -14,8 +14,6 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-from safetensors import safe_open
-
 from stapo_megatron.config import ConfigError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -44,7 +42,11 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 class HFCheckpoint:
-    """A Hugging Face checkpoint directory: one ``model.safetensors`` or shards with an index."""
+    """A Hugging Face checkpoint directory: one ``model.safetensors`` or shards with an index.
+
+    Tensors are read with plain file reads of exactly the bytes asked for (no memory map, so a
+    rank's memory holds only what it keeps).
+    """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -54,70 +56,96 @@ class HFCheckpoint:
                 weight_map = json.load(f).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ConfigError(f"{index}: has no weight_map")
-            self._file_of = dict(weight_map)
+            files = sorted(set(weight_map.values()))
         elif (self.path / SINGLE_FILE).is_file():
-            self._file_of = None
+            weight_map, files = None, [SINGLE_FILE]
         else:
             raise ConfigError(f"{self.path}: no {SINGLE_FILE} or {INDEX_FILE} (not a Hugging Face safetensors checkpoint)")
-        self._handles: dict[str, object] = {}
-        self._shapes: dict[str, tuple[int, ...]] = {}
-        self._dtypes: dict[str, torch.dtype] = {}
-        files = sorted(set(self._file_of.values())) if self._file_of else [SINGLE_FILE]
+        self._entries: dict[str, _Entry] = {}
         for file in files:
             if not (self.path / file).is_file():
-                raise ConfigError(f"{self.path / INDEX_FILE}: names shard {file}, which does not exist")
-            for name, (shape, code) in _read_header(self.path / file).items():
-                if self._file_of is not None and self._file_of.get(name) != file:
-                    continue
-                self._shapes[name] = shape
-                self._dtypes[name] = _CODE_DTYPES[code]
-        if self._file_of is None:
-            self._file_of = {name: SINGLE_FILE for name in self._shapes}
-        missing_in_files = sorted(set(self._file_of) - set(self._shapes))
-        if missing_in_files:
-            raise ConfigError(
-                f"{self.path / INDEX_FILE}: tensor {missing_in_files[0]} is not in {self._file_of[missing_in_files[0]]}"
-            )
+                raise ConfigError(f"{index}: names shard {file}, which does not exist")
+            for name, entry in _read_header(self.path / file).items():
+                if weight_map is None or weight_map.get(name) == file:
+                    self._entries[name] = entry
+        if weight_map is not None:
+            absent = sorted(set(weight_map) - set(self._entries))
+            if absent:
+                raise ConfigError(f"{index}: tensor {absent[0]} is not in {weight_map[absent[0]]}")
 
     @property
     def names(self) -> list[str]:
-        return list(self._shapes)
+        return list(self._entries)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._shapes[name]
+        return self._entries[name].shape
 
     def dtype(self, name: str) -> torch.dtype:
-        return self._dtypes[name]
+        return self._entries[name].dtype
 
     def check(self, expected: dict[str, tuple[int, ...]], ignorable: Iterable[str] = ()) -> None:
         """Every expected tensor present with its shape, and nothing else (but ``ignorable``)."""
-        missing = [n for n in expected if n not in self._shapes]
+        missing = [n for n in expected if n not in self._entries]
         if missing:
             raise ConfigError(f"{self.path}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
-        extra = [n for n in self._shapes if n not in expected and n not in set(ignorable)]
+        ignorable = set(ignorable)
+        extra = [n for n in self._entries if n not in expected and n not in ignorable]
         if extra:
             raise ConfigError(f"{self.path}: unexpected tensor {extra[0]} ({len(extra)} unexpected in all)")
         for name, shape in expected.items():
-            if tuple(self._shapes[name]) != tuple(shape):
+            if tuple(self.shape(name)) != tuple(shape):
                 raise ConfigError(
-                    f"{self.path}: tensor {name} has shape {list(self._shapes[name])}, expected {list(shape)}"
+                    f"{self.path}: tensor {name} has shape {list(self.shape(name))}, expected {list(shape)}"
                 )
 
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) [start, stop) of a tensor; all of it if start is None."""
-        if name not in self._file_of:
+        entry = self._entries.get(name)
+        if entry is None:
             raise ConfigError(f"{self.path}: tensor {name} is missing")
-        file = self._file_of[name]
-        handle = self._handles.get(file)
-        if handle is None:
-            handle = self._handles[file] = safe_open(str(self.path / file), framework="pt")
+        shape = list(entry.shape)
+        rows = shape[0] if shape else 1
+        row_bytes = entry.nbytes // max(rows, 1)
         if start is None:
-            return handle.get_tensor(name)
-        view = handle.get_slice(name)
-        return view[start:stop] if dim == 0 else view[:, start:stop]
+            start, stop, dim = 0, rows, 0
+        with open(entry.file, "rb", buffering=0) as f:
+            if dim == 0:
+                out = torch.empty([stop - start] + shape[1:], dtype=entry.dtype)
+                _read_into(f, entry.offset + start * row_bytes, out)
+                return out if entry.shape else out.reshape(())
+            # Columns: read blocks of whole rows and keep the slice, so memory stays bounded.
+            out = torch.empty([rows, stop - start] + shape[2:], dtype=entry.dtype)
+            block_rows = max(1, _COLUMN_READ_BLOCK // max(row_bytes, 1))
+            for first in range(0, rows, block_rows):
+                last = min(rows, first + block_rows)
+                block = torch.empty([last - first] + shape[1:], dtype=entry.dtype)
+                _read_into(f, entry.offset + first * row_bytes, block)
+                out[first:last] = block[:, start:stop]
+            return out
 
 
-def _read_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+_COLUMN_READ_BLOCK = 64 * 1024**2
+
+
+class _Entry:
+    __slots__ = ("file", "shape", "dtype", "offset", "nbytes")
+
+    def __init__(self, file: Path, shape: tuple[int, ...], dtype: torch.dtype, offset: int, nbytes: int):
+        self.file, self.shape, self.dtype, self.offset, self.nbytes = file, shape, dtype, offset, nbytes
+
+
+def _read_into(f, offset: int, out: torch.Tensor) -> None:
+    view = memoryview(out.view(-1).view(torch.uint8).numpy())
+    f.seek(offset)
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise ConfigError(f"{f.name}: truncated safetensors file")
+        done += n
+
+
+def _read_header(path: Path) -> dict[str, _Entry]:
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
@@ -127,14 +155,16 @@ def _read_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
             header = json.loads(f.read(size))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ConfigError(f"{path}: corrupt safetensors header") from None
-    out = {}
+    data_start = 8 + size
+    entries = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         if info["dtype"] not in _CODE_DTYPES:
             raise ConfigError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        out[name] = (tuple(info["shape"]), info["dtype"])
-    return out
+        begin, end = info["data_offsets"]
+        entries[name] = _Entry(path, tuple(info["shape"]), _CODE_DTYPES[info["dtype"]], data_start + begin, end - begin)
+    return entries
 
 
 class SafetensorsStreamWriter:
@@ -169,7 +199,6 @@ class SafetensorsStreamWriter:
         self._group_index = -1
         self._left_in_group = 0
         self._file = None
-        self._expected: tuple[str, tuple[int, ...], torch.dtype] | None = None
         for k, group in enumerate(groups):
             self.files.append((f"{prefix}{k}.safetensors", [n for n, _, _ in group], sum(_nbytes(s, d) for _, s, d in group)))
 

@@ -1,0 +1,1 @@
+"""Shipped YAML presets: model shapes, algorithms, and complete run configs."""

@@ -1,0 +1,40 @@
+"""The ``stapo`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from stapo_megatron.config import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from stapo_megatron.checkpoint import cli as convert_cli
+
+    parser = argparse.ArgumentParser(prog="stapo", description="STAPO reinforcement learning of Qwen3 on Megatron-Core")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for module in (convert_cli,):
+        module.register(subparsers)
+    return parser
+
+
+def run(func, args) -> int:
+    """Run a command, turning configuration errors into one line and exit status 2."""
+    try:
+        func(args)
+    except ConfigError as err:
+        print(f"stapo: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("stapo: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run(args.func, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""Pieces of SGLang weight sync that do not talk HTTP: name checks, buckets, serialization, the
+trainer's end of the weight-update process group, and safetensors checkpoints for disk sync."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from stapo_megatron.rollout.sglang_client import SGLangWeightSyncError
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+TensorSerializer = Callable[[NamedTensors], str]
+
+_SHOW = 5  # names listed in an error message
+
+
+def tensor_nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _preview(names: Iterable[str]) -> str:
+    names = sorted(names)
+    more = f" (+{len(names) - _SHOW} more)" if len(names) > _SHOW else ""
+    return ", ".join(names[:_SHOW]) + more
+
+
+class WeightNameCheck:
+    """Every streamed name must be expected and arrive once, and every expected name must arrive.
+
+    SGLang's ``load_weights`` only logs a warning for a name it does not know, so a typo would leave
+    the old tensor in place while training goes on: this check turns that into an error.
+    """
+
+    def __init__(self, expected: frozenset[str]):
+        self.expected = expected
+        self.seen: set[str] = set()
+
+    def add(self, name: str) -> None:
+        if not isinstance(name, str):
+            raise SGLangWeightSyncError(f"weight names must be strings, got {type(name).__name__} {name!r}")
+        if name not in self.expected:
+            raise SGLangWeightSyncError(
+                f"weight '{name}' is not among the {len(self.expected)} expected Hugging Face names "
+                "(SGLang would silently ignore it and keep the old tensor)"
+            )
+        if name in self.seen:
+            raise SGLangWeightSyncError(f"weight '{name}' appears twice in one update")
+        self.seen.add(name)
+
+    def finish(self) -> None:
+        missing = self.expected - self.seen
+        if missing:
+            raise SGLangWeightSyncError(
+                f"weight update lacks {len(missing)} of {len(self.expected)} expected tensors: {_preview(missing)}"
+            )
+
+    def check_all(self, names: Sequence[str]) -> None:
+        """Check a complete list of names without consuming it (used before any request is sent)."""
+        probe = WeightNameCheck(self.expected)
+        for name in names:
+            probe.add(name)
+        probe.finish()
+
+
+def iter_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, check: WeightNameCheck
+) -> Iterator[NamedTensors]:
+    """Group the stream, in order, into buckets of at most ``bucket_bytes``; a bigger tensor goes alone.
+
+    Names are checked as they arrive, so an unexpected name is caught before its bucket is sent.
+    """
+    bucket: NamedTensors = []
+    size = 0
+    for item in named_tensors:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise SGLangWeightSyncError(f"weight stream items must be (name, tensor) pairs, got {type(item).__name__}")
+        name, tensor = item
+        check.add(name)
+        if not isinstance(tensor, torch.Tensor):
+            raise SGLangWeightSyncError(f"weight '{name}' is a {type(tensor).__name__}, not a torch.Tensor")
+        nbytes = tensor_nbytes(tensor)
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def expected_names_from_hf_checkpoint(model_path: str | os.PathLike) -> frozenset[str]:
+    """The tensor names of a local Hugging Face safetensors checkpoint (what SGLang's loader accepts)."""
+    path = Path(model_path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            return frozenset(json.load(f)["weight_map"])
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no model.safetensors.index.json and no *.safetensors file")
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    return frozenset(names)
+
+
+def sglang_tensor_serializer() -> TensorSerializer:
+    """SGLang's own ``MultiprocessingSerializer`` (CUDA IPC handles, base64), imported on first use.
+
+    sglang is an optional, GPU-only dependency: it is absent on CPU machines and in CI, so the import
+    lives here and only colocated (``tensor``) weight sync needs it.
+    """
+    try:
+        from sglang.srt.utils import MultiprocessingSerializer
+    except ImportError as err:
+        raise SGLangWeightSyncError(
+            "weight_sync 'tensor' needs sglang importable in the trainer process (pip install 'sglang>=0.5.15'); "
+            f"import failed: {err}"
+        ) from None
+    patch = None
+    for module in ("sglang.srt.utils.patch_torch", "sglang.srt.patch_torch"):
+        try:
+            patch = __import__(module, fromlist=["monkey_patch_torch_reductions"]).monkey_patch_torch_reductions
+            break
+        except (ImportError, AttributeError):
+            continue
+
+    def serialize(named_tensors: NamedTensors) -> str:
+        if patch is not None:
+            # SGLang's servers rebuild CUDA IPC handles by device UUID; the sender must pickle them the same way.
+            patch()
+        return MultiprocessingSerializer.serialize(named_tensors, output_str=True)
+
+    return serialize
+
+
+def local_address_towards(host: str) -> str:
+    """This machine's address on the route to ``host`` (a UDP connect sends no packet)."""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return host if host != "localhost" else "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect((host, 9))
+            return sock.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+class WeightUpdateGroup:
+    """The trainer's end (rank 0) of the process group SGLang servers join for weight broadcasts.
+
+    The trainer hosts a TCPStore; each server rank joins with
+    ``rendezvous(tcp://addr:port) -> PrefixStore(group_name) -> _new_process_group_helper`` (SGLang's
+    ``init_custom_process_group``). Joining the same way on this side keeps the store keys identical.
+    The group stays outside the trainer's default world: it is not a Megatron group.
+    """
+
+    def __init__(self, *, master_address: str, port: int, world_size: int, backend: str, timeout_s: float, name: str):
+        import torch.distributed as dist
+
+        if backend == "nccl" and dist.is_initialized():
+            from torch.distributed.distributed_c10d import _get_default_group
+
+            if getattr(_get_default_group(), "bound_device_id", None) is not None:
+                # torch would build this group by ncclCommSplit of the trainer's world, which needs
+                # every trainer rank and hangs; bail out with the reason instead.
+                raise SGLangWeightSyncError(
+                    "the trainer's default process group was created with device_id, so torch would split the "
+                    "weight-update NCCL group from it and hang; init the default group without device_id or use "
+                    "weight_sync 'tensor' or 'disk'"
+                )
+        self.name = name
+        self.world_size = world_size
+        self.backend = backend
+        self.master_address = master_address
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(
+            master_address, port, world_size, True, self.timeout, wait_for_workers=False
+        )
+        self.port = self.store.port
+        self.pg = None
+
+    def join(self) -> None:
+        """Create rank 0's process group; blocks (gloo) until every server rank has joined too."""
+        from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
+
+        pg, _ = _new_process_group_helper(
+            self.world_size,
+            0,
+            [],
+            self.backend,
+            PrefixStore(self.name, self.store),
+            group_name=self.name,
+            timeout=self.timeout,
+        )
+        # Identity rank map, as SGLang registers on its side, so torch.distributed.broadcast(src=0) resolves.
+        _world.pg_group_ranks[pg] = {i: i for i in range(self.world_size)}
+        self.pg = pg
+
+    def broadcast(self, tensors: Sequence[torch.Tensor]) -> list:
+        """Start one broadcast per tensor from rank 0, in order; returns the async works."""
+        import torch.distributed as dist
+
+        return [dist.broadcast(t, src=0, group=self.pg, async_op=True) for t in tensors]
+
+    def prepare(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor as the backend can send it: contiguous, on the current GPU for NCCL."""
+        tensor = tensor.detach()
+        if self.backend == "nccl" and not tensor.is_cuda:
+            tensor = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+        return tensor.contiguous()
+
+    def destroy(self) -> None:
+        import torch.distributed as dist
+
+        if self.pg is not None:
+            try:
+                dist.destroy_process_group(self.pg)
+            except Exception:  # noqa: BLE001 - a broken group must not block shutdown
+                pass
+            self.pg = None
+        self.store = None
+
+
+def write_safetensors_checkpoint(
+    buckets: Iterable[NamedTensors], root: Path, tag: str, *, config_from: str | None
+) -> Path:
+    """Write the stream as ``root/<tag>/model-NNNNN.safetensors`` + index, appearing atomically.
+
+    Files go to a hidden sibling first and the directory is renamed into place, so a server never
+    reads a half-written checkpoint. Small JSON files (config.json, ...) are copied from
+    ``config_from`` when it is a local directory, for loaders that want a complete HF directory.
+    """
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / tag
+    tmp = root / f".{tag}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        weight_map: dict[str, str] = {}
+        total = 0
+        for i, bucket in enumerate(buckets):
+            fname = f"model-{i + 1:05d}.safetensors"
+            # clone(): safetensors refuses tensors that share storage (tied embeddings, views).
+            tensors = {name: t.detach().to("cpu").clone().contiguous() for name, t in bucket}
+            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            for name, t in tensors.items():
+                weight_map[name] = fname
+                total += tensor_nbytes(t)
+        with open(tmp / "model.safetensors.index.json", "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1, sort_keys=True)
+        if config_from and Path(config_from).is_dir():
+            for src in Path(config_from).glob("*.json"):
+                if src.name != "model.safetensors.index.json":
+                    shutil.copy2(src, tmp / src.name)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final

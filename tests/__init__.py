@@ -1,0 +1,1 @@
+"""stapo_megatron's tests."""
