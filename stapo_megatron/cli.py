@@ -10,10 +10,11 @@ from stapo_megatron.config import ConfigError
 
 def build_parser() -> argparse.ArgumentParser:
     from stapo_megatron.checkpoint import cli as convert_cli
+    from stapo_megatron.trainer import launcher as train_cli
 
     parser = argparse.ArgumentParser(prog="stapo", description="STAPO reinforcement learning of Qwen3 on Megatron-Core")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for module in (convert_cli,):
+    for module in (train_cli, convert_cli):
         module.register(subparsers)
     return parser
 

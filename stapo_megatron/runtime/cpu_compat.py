@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.abc
+import logging
 import importlib.machinery
 import sys
 import types
@@ -213,6 +214,14 @@ def _cuda_stays_on_cpu(self, *args, **kwargs):
     return _tensor_cuda(self, *args, **kwargs)
 
 
+class _TrackerSwapsCpuState(logging.Filter):
+    """On the CPU the RNG tracker swaps the CPU generator itself, so Megatron's warning that the
+    CPU state changed inside a tracker context is always true and never a problem."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
 def install() -> None:
     """Make Megatron-Core run on the CPU. Call only when CUDA is absent; idempotent."""
     global _installed, _TORCH_ON_CPU
@@ -220,6 +229,7 @@ def install() -> None:
         return
     if torch.cuda.is_available():
         raise RuntimeError("cpu_compat.install() called on a machine with CUDA")
+    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_TrackerSwapsCpuState())
     _TORCH_ON_CPU = _TorchOnCpu()
     for name, module in list(sys.modules.items()):
         if name.startswith("megatron.core") and module is not None:

@@ -21,11 +21,12 @@ class ParallelConfig:
     tensor_parallel: int = option(1, "Tensor-parallel size: ranks that split each weight matrix (and the vocabulary).")
     pipeline_parallel: int = option(1, "Pipeline-parallel size: ranks that split the layers into stages.")
     context_parallel: int = option(1, "Context-parallel size: ranks that split each sequence (Megatron CP).")
+    data_parallel: int = option(1, "Data-parallel size; `stapo train` starts tensor x pipeline x context x data ranks.")
     sequence_parallel: bool = option(False, "Megatron sequence parallelism (needs tensor_parallel > 1).")
     timeout_minutes: int = option(30, "Timeout of collective operations, in minutes.")
 
     def __post_init__(self):
-        for name in ("tensor_parallel", "pipeline_parallel", "context_parallel", "timeout_minutes"):
+        for name in ("tensor_parallel", "pipeline_parallel", "context_parallel", "data_parallel", "timeout_minutes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.sequence_parallel and self.tensor_parallel == 1:
@@ -35,13 +36,17 @@ class ParallelConfig:
     def model_parallel_size(self) -> int:
         return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
 
-    def data_parallel_size(self, world_size: int) -> int:
-        if world_size % self.model_parallel_size:
+    @property
+    def world_size(self) -> int:
+        return self.model_parallel_size * self.data_parallel
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size != self.world_size:
             raise ConfigError(
-                f"parallel: world size {world_size} is not divisible by tensor x pipeline x context "
-                f"parallel = {self.tensor_parallel} x {self.pipeline_parallel} x {self.context_parallel}"
+                f"parallel: {world_size} processes were started, but tensor x pipeline x context x data parallel = "
+                f"{self.tensor_parallel} x {self.pipeline_parallel} x {self.context_parallel} x {self.data_parallel} "
+                f"= {self.world_size}"
             )
-        return world_size // self.model_parallel_size
 
 
 def accelerator_available() -> bool:
@@ -55,8 +60,19 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def quiet_known_warnings() -> None:
+    """Silence warnings that Megatron and torch raise on every step and that mean nothing here."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.")
+    warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf Tensor")
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
+    warnings.filterwarnings("ignore", message=r"When using async grad allreduce it is recommended")
+
+
 def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
     """Start the process group (from torchrun's environment) and Megatron's parallel groups."""
+    quiet_known_warnings()
     from megatron.core import parallel_state, tensor_parallel
 
     if not accelerator_available():
@@ -70,7 +86,7 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
             backend="nccl" if accelerator_available() else "gloo",
             timeout=datetime.timedelta(minutes=parallel.timeout_minutes),
         )
-    parallel.data_parallel_size(dist.get_world_size())
+    parallel.check_world_size(dist.get_world_size())
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(

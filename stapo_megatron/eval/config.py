@@ -1,0 +1,43 @@
+"""Evaluation settings: benchmarks, samples per problem, decoding, and periodic evaluation in training."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from stapo_megatron.config import ConfigError, option
+from stapo_megatron.data.benchmarks import BENCHMARKS, PAPER_BENCHMARKS
+
+# (temperature, top_p) of each decoding preset.
+DECODING = {
+    "train": (1.0, 1.0),  # training-aligned
+    "justrl": (0.7, 0.9),  # JustRL's evaluation setting
+}
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    every: int = option(0, "In training: evaluate every this many rollout steps (0: never).")
+    benchmarks: list[str] = option(list(PAPER_BENCHMARKS), "Benchmarks to evaluate, by name.")
+    data_dir: str = option("", "Directory holding the benchmark files (aime24.jsonl, math500.jsonl, ...).")
+    decoding: Literal["train", "justrl"] = option(
+        "train", "train: temperature 1.0, top-p 1.0; justrl: temperature 0.7, top-p 0.9."
+    )
+    k: int = option(0, "Samples per problem for avg@k and pass@k (0: each benchmark's default, 32 or 4).")
+    limit: int = option(0, "Problems per benchmark (0: all), for quick checks.")
+    max_new_tokens: int = option(0, "Longest response (0: the training batch.max_new_tokens).")
+    seed: int = option(0, "Sampling seed of evaluation.")
+
+    def __post_init__(self):
+        for name in ("every", "k", "limit", "max_new_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        unknown = [b for b in self.benchmarks if b not in BENCHMARKS]
+        if unknown:
+            raise ConfigError(f"benchmarks: unknown benchmark '{unknown[0]}' (known: {', '.join(BENCHMARKS)})")
+        if not self.benchmarks:
+            raise ConfigError("benchmarks: name at least one benchmark")
+
+    @property
+    def sampling(self) -> tuple[float, float]:
+        return DECODING[self.decoding]

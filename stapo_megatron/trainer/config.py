@@ -1,0 +1,177 @@
+"""The ``stapo train`` config: every section, and the checks that run before any process starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Literal
+
+from stapo_megatron.config import ConfigError, option
+from stapo_megatron.data.config import DataConfig
+from stapo_megatron.eval.config import EvalConfig
+from stapo_megatron.loss.config import AlgoConfig
+from stapo_megatron.models.qwen3.config import Qwen3Config
+from stapo_megatron.rewards.config import RewardConfig
+from stapo_megatron.rollout.config import RolloutConfig
+from stapo_megatron.runtime.distributed import ParallelConfig
+
+
+@dataclasses.dataclass
+class RunConfig:
+    name: str = option("stapo", "Run name: names the output directory and the experiment in loggers.")
+    output_dir: str = option("", "Directory of metrics, checkpoints and dumps; '' means runs/<name>.")
+    steps: int = option(300, "Rollout steps to train for (each: sample, score, one or more optimizer steps).")
+    seed: int = option(1234, "Seed of model initialisation, sampling and Megatron's RNG tracker.")
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ConfigError(f"steps: must be >= 1, got {self.steps}")
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"name: must be a non-empty name without '/', got {self.name!r}")
+
+    @property
+    def directory(self) -> Path:
+        return Path(self.output_dir or os.path.join("runs", self.name))
+
+
+@dataclasses.dataclass
+class BatchConfig:
+    prompts_per_step: int = option(256, "Prompts sampled per rollout step (the paper: 256).")
+    group_size: int = option(8, "Responses sampled per prompt, G (the paper: 8).")
+    prompts_per_minibatch: int = option(
+        64, "Prompts per optimizer step; prompts_per_step / prompts_per_minibatch optimizer steps per rollout step."
+    )
+    micro_batch_size: int = option(4, "Sequences per micro-batch on each data-parallel rank.")
+    max_new_tokens: int = option(15360, "Longest response in tokens; longer ones are cut (finish reason 'length').")
+    temperature: float = option(1.0, "Sampling temperature of rollouts; log-probs are computed at the same temperature.")
+    top_p: float = option(1.0, "Nucleus sampling of rollouts (1.0: off).")
+    top_k: int = option(-1, "Top-k sampling of rollouts (<= 0: off).")
+    stop_token_ids: list[int] = option([], "Token ids that end a response; empty: the tokenizer's end-of-text tokens.")
+    max_sampling_rounds: int = option(
+        4, "With dynamic sampling: most rounds of sampling per step to fill the batch with informative groups."
+    )
+
+    def __post_init__(self):
+        for name in ("prompts_per_step", "group_size", "prompts_per_minibatch", "micro_batch_size", "max_new_tokens",
+                     "max_sampling_rounds"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise ConfigError(f"group_size: group-relative advantages need at least 2 responses per prompt, got {self.group_size}")
+        if self.prompts_per_step % self.prompts_per_minibatch:
+            raise ConfigError(
+                f"prompts_per_minibatch: {self.prompts_per_minibatch} does not divide prompts_per_step {self.prompts_per_step}"
+            )
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature: must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p: must be in (0, 1], got {self.top_p}")
+
+    @property
+    def minibatches_per_step(self) -> int:
+        return self.prompts_per_step // self.prompts_per_minibatch
+
+
+@dataclasses.dataclass
+class ComputeConfig:
+    params_dtype: Literal["float32", "bfloat16"] = option(
+        "bfloat16", "dtype of the model's weights and activations (the optimizer keeps fp32 master weights)."
+    )
+    recompute: Literal["none", "selective", "full"] = option(
+        "none", "Activation recomputation: none, selective (attention core) or full (every layer)."
+    )
+    logits_chunk_size: int = option(
+        1024, "Tokens per chunk when computing log-probs and entropies from the vocabulary-parallel logits."
+    )
+
+    def __post_init__(self):
+        if self.logits_chunk_size < 1:
+            raise ConfigError(f"logits_chunk_size: must be >= 1, got {self.logits_chunk_size}")
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    lr: float = option(1e-6, "Peak learning rate of AdamW.")
+    min_lr: float = option(0.0, "Learning rate at the end of decay (with a decaying schedule).")
+    warmup_steps: int = option(10, "Optimizer steps of linear warm-up from 0 to lr.")
+    schedule: Literal["constant", "cosine", "linear"] = option("constant", "Learning-rate schedule after warm-up.")
+    weight_decay: float = option(0.01, "AdamW decoupled weight decay.")
+    beta1: float = option(0.9, "AdamW beta1.")
+    beta2: float = option(0.999, "AdamW beta2.")
+    eps: float = option(1e-8, "AdamW epsilon.")
+    clip_grad: float = option(1.0, "Global gradient-norm clipping threshold (0: off).")
+    distributed: bool = option(True, "Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer).")
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ConfigError(f"lr: must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"min_lr: must be in [0, lr], got {self.min_lr}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
+        if self.clip_grad < 0:
+            raise ConfigError(f"clip_grad: must be >= 0, got {self.clip_grad}")
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    save_every: int = option(50, "Save a checkpoint every this many rollout steps (0: only at the end and on Ctrl-C).")
+    keep_last: int = option(3, "Complete checkpoints kept; older ones are deleted once a newer one is whole.")
+    resume: Literal["auto", "never", "required"] = option(
+        "auto", "auto: continue from the run's latest complete checkpoint when there is one; required: fail without one."
+    )
+    load_hf: str = option("", "Start from this Hugging Face Qwen3 directory (converted on the fly, each rank reading its shards).")
+    load_megatron: str = option("", "Start from this Megatron checkpoint (written by stapo convert or a previous run; any TP/PP).")
+
+    def __post_init__(self):
+        if self.save_every < 0:
+            raise ConfigError(f"save_every: must be >= 0, got {self.save_every}")
+        if self.keep_last < 1:
+            raise ConfigError(f"keep_last: must be >= 1, got {self.keep_last}")
+        if self.load_hf and self.load_megatron:
+            raise ConfigError("load_hf: give either load_hf or load_megatron, not both")
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    tensorboard: bool = option(True, "Write TensorBoard event files under <run>/tensorboard.")
+    wandb_project: str = option("", "Log to this Weights & Biases project ('' : off; needs the wandb extra).")
+    wandb_entity: str = option("", "Weights & Biases entity (team) of the project.")
+    progress_bar: bool = option(True, "Show a progress bar on the console (rank 0).")
+    inspect_every: int = option(10, "Save the silenced tokens with their context every this many steps (0: never).")
+    inspect_context_tokens: int = option(16, "Tokens of context saved on each side of a silenced token.")
+
+    def __post_init__(self):
+        if self.inspect_every < 0:
+            raise ConfigError(f"inspect_every: must be >= 0, got {self.inspect_every}")
+
+
+@dataclasses.dataclass
+class FaultConfig:
+    max_skipped_steps: int = option(
+        5, "Optimizer steps skipped for a NaN/inf loss or gradient before training stops with an error."
+    )
+
+    def __post_init__(self):
+        if self.max_skipped_steps < 0:
+            raise ConfigError(f"max_skipped_steps: must be >= 0, got {self.max_skipped_steps}")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    run: RunConfig = option(doc="Name, output directory, length and seed of the run.", factory=RunConfig)
+    model: Qwen3Config = option(doc="Qwen3 architecture (a preset name such as qwen3_8b, or the fields).", factory=Qwen3Config)
+    tokenizer: str = option("", "Hugging Face tokenizer directory; '' : the load_hf directory (the synthetic task has its own).")
+    parallel: ParallelConfig = option(doc="Tensor, pipeline, context and data parallel sizes.", factory=ParallelConfig)
+    compute: ComputeConfig = option(doc="Precision, recomputation and log-prob chunking.", factory=ComputeConfig)
+    data: DataConfig = option(doc="Training prompts.", factory=DataConfig)
+    reward: RewardConfig = option(doc="How responses are scored.", factory=RewardConfig)
+    rollout: RolloutConfig = option(doc="The rollout engine.", factory=RolloutConfig)
+    batch: BatchConfig = option(doc="Rollout and optimizer batch sizes, sampling settings.", factory=BatchConfig)
+    algo: AlgoConfig = option(doc="The RL algorithm (a preset: stapo, grpo, dapo, entropy20, justrl).", factory=AlgoConfig)
+    optim: OptimConfig = option(doc="AdamW, schedule and clipping.", factory=OptimConfig)
+    checkpoint: CheckpointConfig = option(doc="Saving, resuming and initial weights.", factory=CheckpointConfig)
+    logging: LoggingConfig = option(doc="Metrics sinks and the spurious-token inspector.", factory=LoggingConfig)
+    eval: EvalConfig = option(doc="Periodic evaluation during training.", factory=EvalConfig)
+    faults: FaultConfig = option(doc="What to tolerate before stopping.", factory=FaultConfig)

@@ -1,0 +1,118 @@
+"""The spurious-token inspector: which tokens the rule silences, with their context.
+
+Every ``logging.inspect_every`` steps the last pipeline stage writes each silenced response token
+(the rule's candidates that it silenced; for rules without candidates, every silenced token)
+with its probability, entropy, advantage and a window of decoded text around it, to
+``<run>/spurious/step_NNNNNNN.jsonl``. ``stapo inspect RUN`` ranks the tokens the way the STAPO
+paper's tables do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch.distributed as dist
+
+DUMP_DIR = "spurious"
+
+
+class SpuriousTokenDump:
+    def __init__(self, run_dir: Path, tokenizer, context_tokens: int):
+        self.directory = Path(run_dir) / DUMP_DIR
+        self.tokenizer = tokenizer
+        self.context = context_tokens
+
+    def _entries(self, step, minibatches, stats_per_minibatch, selections_per_minibatch, batch) -> list[dict]:
+        entries = []
+        for microbatches, stats_list, selections in zip(minibatches, stats_per_minibatch, selections_per_minibatch):
+            for mb, stats, selection in zip(microbatches, stats_list, selections):
+                response = mb["response_mask"] > 0
+                silenced = response & (selection.keep == 0)
+                if selection.candidates is not None:
+                    silenced &= selection.candidates.bool()
+                for row, position in silenced.nonzero().tolist():
+                    labels = mb["labels"][row]
+                    sequence = int(mb["sequence_index"][row])
+                    start = int(response[row].nonzero()[0])
+                    before = labels[max(start - 1, position - self.context) : position].tolist()
+                    after = labels[position + 1 : position + 1 + self.context][response[row, position + 1 : position + 1 + self.context]].tolist()
+                    token = int(labels[position])
+                    entries.append(
+                        {
+                            "step": step,
+                            "sequence": sequence,
+                            "position": position - start,
+                            "token_id": token,
+                            "token": self.tokenizer.decode([token], skip_special_tokens=False),
+                            "probability": math.exp(float(stats.logprob[row, position])),
+                            "entropy": float(stats.entropy[row, position]),
+                            "advantage": float(mb["advantages"][row, position]),
+                            "correct": bool(batch.correct[sequence] > 0),
+                            "before": self.tokenizer.decode(before, skip_special_tokens=False),
+                            "after": self.tokenizer.decode(after, skip_special_tokens=False),
+                        }
+                    )
+        return entries
+
+    def dump(self, step, minibatches, stats_per_minibatch, selections_per_minibatch, batch) -> None:
+        """Collective over the last stage's data-parallel group; its first rank writes the file."""
+        from megatron.core import parallel_state as ps
+
+        if not ps.is_pipeline_last_stage() or ps.get_tensor_model_parallel_rank() != 0:
+            return
+        entries = self._entries(step, minibatches, stats_per_minibatch, selections_per_minibatch, batch)
+        group = ps.get_data_parallel_group()
+        gathered = [None] * dist.get_world_size(group) if ps.get_data_parallel_rank() == 0 else None
+        dist.gather_object(entries, gathered, dst=dist.get_global_rank(group, 0), group=group)
+        if ps.get_data_parallel_rank() != 0:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / f"step_{step:07d}.jsonl"
+        temporary = path.with_suffix(".jsonl.tmp")
+        with open(temporary, "w", encoding="utf-8") as f:
+            for rank_entries in gathered:
+                for entry in rank_entries:
+                    f.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        os.replace(temporary, path)
+
+
+def read_dumps(run_dir: str | os.PathLike) -> list[dict]:
+    directory = Path(run_dir) / DUMP_DIR
+    entries = []
+    for path in sorted(directory.glob("step_*.jsonl")):
+        with open(path, encoding="utf-8") as f:
+            entries.extend(json.loads(line) for line in f if line.strip())
+    return entries
+
+
+def summarize(run_dir: str | os.PathLike, top: int = 20, examples: int = 3) -> str:
+    """The most frequently silenced tokens, with mean probability and entropy and example contexts."""
+    entries = read_dumps(run_dir)
+    if not entries:
+        return f"{run_dir}: no silenced tokens recorded (see logging.inspect_every)"
+    counts = Counter(e["token"] for e in entries)
+    by_token = defaultdict(list)
+    for e in entries:
+        by_token[e["token"]].append(e)
+    steps = sorted({e["step"] for e in entries})
+    lines = [
+        f"{len(entries)} silenced tokens in {len(steps)} dumps (steps {steps[0]}..{steps[-1]}), {len(counts)} distinct",
+        "",
+        f"{'rank':>4}  {'token':<20} {'count':>7} {'share':>7} {'mean p':>9} {'mean H':>8}",
+    ]
+    for rank, (token, count) in enumerate(counts.most_common(top), start=1):
+        rows = by_token[token]
+        mean_p = sum(r["probability"] for r in rows) / count
+        mean_h = sum(r["entropy"] for r in rows) / count
+        lines.append(f"{rank:>4}  {token!r:<20} {count:>7} {count / len(entries):>7.2%} {mean_p:>9.2e} {mean_h:>8.3f}")
+    lines.append("")
+    lines.append("example contexts ([[token]] is silenced):")
+    for token, _ in counts.most_common(min(top, 5)):
+        for row in by_token[token][:examples]:
+            lines.append(f"  step {row['step']:>5} p={row['probability']:.1e} H={row['entropy']:.2f}: "
+                         f"...{row['before']}[[{row['token']}]]{row['after']}...")
+    return "\n".join(lines)

@@ -1,0 +1,400 @@
+"""The STAPO trainer: set-up of one rank, and the training loop, which reads like the algorithm."""
+
+from __future__ import annotations
+
+import math
+import signal
+
+import torch
+import torch.distributed as dist
+
+from stapo_megatron.checkpoint.convert import export_hf_tensors, fill_from_hf, hf_assets, load_model
+from stapo_megatron.checkpoint.hf_io import HFCheckpoint
+from stapo_megatron.config import to_dict
+from stapo_megatron.loss import needs_statistics_pass
+from stapo_megatron.models.qwen3.parallelize import build_stage
+from stapo_megatron.runtime.distributed import device, init_distributed
+from stapo_megatron.trainer import megatron_fixes
+from stapo_megatron.trainer.batch import RolloutBatch, make_microbatches, partition_for_rank
+from stapo_megatron.trainer.checkpointing import Checkpointer
+from stapo_megatron.trainer.config import TrainConfig
+from stapo_megatron.trainer.inspector import SpuriousTokenDump
+from stapo_megatron.trainer.metrics import MetricsLogger, PhaseTimer
+from stapo_megatron.trainer.update import PolicyUpdater
+
+STOP_FILE = "STOP"
+
+
+def build_tokenizer(cfg: TrainConfig):
+    if cfg.data.is_synthetic:
+        from stapo_megatron.data.synthetic import TinyTokenizer
+
+        return TinyTokenizer(distractors=cfg.data.synthetic_distractors)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.checkpoint.load_hf)
+
+
+def stop_token_ids(cfg: TrainConfig, tokenizer) -> list[int]:
+    if cfg.batch.stop_token_ids:
+        return list(cfg.batch.stop_token_ids)
+    ids = {tokenizer.eos_token_id}
+    if cfg.data.chat_template:
+        end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(end_of_turn, int) and end_of_turn != getattr(tokenizer, "unk_token_id", None):
+            ids.add(end_of_turn)
+    return sorted(i for i in ids if i is not None)
+
+
+class Trainer:
+    """One rank of a run. ``Trainer(cfg).train()`` is the whole job."""
+
+    def __init__(self, cfg: TrainConfig):
+        from megatron.core import parallel_state as ps
+
+        self.cfg = cfg
+        self.run_dir = cfg.run.directory
+        init_distributed(cfg.parallel, seed=cfg.run.seed)
+        megatron_fixes.apply()
+        self.ps = ps
+        self.rank = dist.get_rank()
+        self.device = device()
+        self.arch = cfg.model
+        self.params_dtype = getattr(torch, cfg.compute.params_dtype)
+        self.tokenizer = build_tokenizer(cfg)
+        self.stop_requested = False
+        self.skipped_steps = 0
+        self.optimizer_steps = 0
+
+        model = build_stage(
+            self.arch,
+            params_dtype=self.params_dtype,
+            recompute=cfg.compute.recompute,
+            calculate_per_token_loss=True,
+            device=self.device,
+        )
+        self._load_initial_weights(model)
+        self.model = self._wrap_ddp(model)
+        self.optimizer, self.scheduler = self._build_optimizer()
+        self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep_last)
+        self.step = 0
+        progress = self._resume()
+
+        self.updater = PolicyUpdater(self.model, self.optimizer, self.scheduler, cfg, self.arch)
+        self.inspector = SpuriousTokenDump(self.run_dir, self.tokenizer, cfg.logging.inspect_context_tokens)
+        self.collector = self.logger = self.evaluator = None
+        if self.rank == 0:
+            self._setup_rollout_rank(progress)
+        self._install_signal_handlers()
+
+    # ---- set-up -----------------------------------------------------------------------------
+
+    def _load_initial_weights(self, model) -> None:
+        """Weights before any training: a Hugging Face or Megatron checkpoint, or the seeded init."""
+        ckpt = self.cfg.checkpoint
+        if ckpt.load_hf:
+            fill_from_hf(model, self.arch, HFCheckpoint(ckpt.load_hf))
+        elif ckpt.load_megatron:
+            load_model(model, ckpt.load_megatron)
+
+    def _wrap_ddp(self, model):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.cfg.optim.distributed,
+        )
+        wrapped = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+        # Megatron's per-token normalisation: sum token counts over micro-batches and DP ranks,
+        # then divide the gradients once (STAPO's renormalisation over the kept tokens).
+        model.config.finalize_model_grads_func = finalize_model_grads
+        model.config.no_sync_func = wrapped.no_sync
+        return wrapped
+
+    def _build_optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        o = self.cfg.optim
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=o.lr,
+                min_lr=o.min_lr,
+                weight_decay=o.weight_decay,
+                adam_beta1=o.beta1,
+                adam_beta2=o.beta2,
+                adam_eps=o.eps,
+                clip_grad=o.clip_grad,
+                bf16=self.params_dtype == torch.bfloat16,
+                params_dtype=self.params_dtype,
+                use_distributed_optimizer=o.distributed,
+            ),
+            [self.model],
+        )
+        total_updates = self.cfg.run.steps * self.cfg.batch.minibatches_per_step
+        scheduler = OptimizerParamScheduler(
+            optimizer,
+            init_lr=0.0 if o.warmup_steps else o.lr,
+            max_lr=o.lr,
+            min_lr=o.min_lr,
+            lr_warmup_steps=o.warmup_steps,
+            lr_decay_steps=max(total_updates, o.warmup_steps + 1),
+            lr_decay_style=o.schedule,
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=max(total_updates, 1),
+            wd_incr_style="constant",
+        )
+        return optimizer, scheduler
+
+    def _resume(self) -> dict:
+        mode = self.cfg.checkpoint.resume
+        latest = self.checkpointer.latest() if mode != "never" else None
+        if latest is None:
+            if mode == "required":
+                raise RuntimeError(f"checkpoint.resume=required but {self.checkpointer.root} has no complete checkpoint")
+            return {}
+        progress = self.checkpointer.load(latest, self.model, self.optimizer, self.scheduler)
+        self.step = progress["step"]
+        self.skipped_steps = progress.get("skipped_steps", 0)
+        self.optimizer_steps = progress.get("optimizer_steps", 0)
+        if self.rank == 0:
+            print(f"[stapo] resumed from {latest} (step {self.step})", flush=True)
+        return progress
+
+    def _setup_rollout_rank(self, progress: dict) -> None:
+        from stapo_megatron.data.prompts import build_prompt_dataset
+        from stapo_megatron.data.sampler import PromptSampler
+        from stapo_megatron.rewards import RewardPool
+        from stapo_megatron.rollout.factory import build_engine
+        from stapo_megatron.trainer.rollout import RolloutCollector
+
+        cfg = self.cfg
+        dataset = build_prompt_dataset(cfg.data, self.tokenizer)
+        print(f"[stapo] {dataset.report.summary()}", flush=True)
+        sampler = PromptSampler(len(dataset), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+        if "sampler" in progress:
+            sampler.load_state_dict(progress["sampler"])
+        engine = build_engine(cfg.rollout, self.arch, self.device, hf_dir=cfg.checkpoint.load_hf, run_dir=self.run_dir)
+        reward_pool = RewardPool.from_config(cfg.reward)
+        self.collector = RolloutCollector(engine, reward_pool, self.tokenizer, dataset, sampler, cfg, stop_token_ids(cfg, self.tokenizer))
+        self.logger = MetricsLogger(self.run_dir, cfg.logging, cfg.run.name, to_dict(cfg), self.step, cfg.run.steps)
+        if cfg.eval.every:
+            from stapo_megatron.eval.evaluator import Evaluator
+
+            self.evaluator = Evaluator(engine, self.tokenizer, cfg.eval, cfg.data, cfg.reward, default_max_new_tokens=cfg.batch.max_new_tokens)
+
+    def _install_signal_handlers(self) -> None:
+        def request_stop(signum, frame):
+            self.stop_requested = True
+
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, request_stop)
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def train(self) -> None:
+        """sample -> G rollouts -> rewards -> advantages -> old statistics -> per mini-batch: threshold
+        and masked update -> weight sync -> evaluation -> checkpoint."""
+        try:
+            self.sync_weights(version=self.step)
+            while self.step < self.cfg.run.steps:
+                step = self.step + 1
+                timer = PhaseTimer()
+                with timer("rollout"):
+                    batch, metrics = self.collect_rollouts(step)
+                if len(batch):
+                    metrics.update(self.update_policy(batch, step, timer))
+                else:
+                    self._message(f"[stapo] step {step}: every group was filtered out; no update")
+                with timer("sync"):
+                    self.sync_weights(version=step)
+                if self.cfg.eval.every and step % self.cfg.eval.every == 0:
+                    with timer("eval"):
+                        metrics.update(self.evaluate(step))
+                self.step = step
+                self._log(step, metrics, timer, batch)
+                stop = self._agree_to_stop()
+                if stop or step == self.cfg.run.steps or (self.cfg.checkpoint.save_every and step % self.cfg.checkpoint.save_every == 0):
+                    self.save()
+                if stop:
+                    self._message(f"[stapo] stop requested: checkpoint of step {step} written, exiting")
+                    break
+        finally:
+            self.close()
+
+    def collect_rollouts(self, step: int) -> tuple[RolloutBatch, dict]:
+        batch, metrics = (None, {})
+        if self.rank == 0:
+            batch, metrics = self.collector.collect(step)
+        return RolloutBatch.broadcast(batch), metrics
+
+    def update_policy(self, batch: RolloutBatch, step: int, timer: PhaseTimer) -> dict:
+        minibatches = self._microbatches(batch)
+        flat = [mb for group in minibatches for mb in group]
+        with timer("statistics"):
+            old_all = self.updater.statistics(flat)
+        old, start = [], 0
+        for group in minibatches:
+            old.append(old_all[start : start + len(group)])
+            start += len(group)
+        metrics = self._rollout_statistics(old_all, flat)
+        results, decided_on = [], []
+        for j, microbatches in enumerate(minibatches):
+            current = None
+            if needs_statistics_pass(self.cfg.algo):
+                if j == 0:
+                    current = old[0]
+                else:
+                    with timer("statistics"):
+                        current = self.updater.statistics(microbatches)
+            with timer("update"):
+                result = self.updater.train_minibatch(microbatches, old[j], current)
+            results.append(result)
+            decided_on.append(current or old[j])
+            if result.skipped:
+                self.skipped_steps += 1
+                self._message(f"[stapo] step {step}: non-finite loss or gradient, optimizer step skipped ({self.skipped_steps} so far)")
+                if self.skipped_steps > self.cfg.faults.max_skipped_steps:
+                    raise RuntimeError(
+                        f"{self.skipped_steps} optimizer steps skipped for non-finite values, more than "
+                        f"faults.max_skipped_steps={self.cfg.faults.max_skipped_steps}"
+                    )
+            else:
+                self.optimizer_steps += 1
+        if self.cfg.logging.inspect_every and step % self.cfg.logging.inspect_every == 0:
+            self.inspector.dump(step, minibatches, decided_on, [r.selections for r in results], batch)
+        metrics.update(_average([r.metrics for r in results]))
+        metrics["optim/skipped_steps"] = float(self.skipped_steps)
+        return metrics
+
+    def _microbatches(self, batch: RolloutBatch) -> list[list[dict]]:
+        """This data-parallel rank's micro-batches of each optimizer mini-batch."""
+        b = self.cfg.batch
+        groups = int(batch.group_ids.max()) + 1
+        count = min(b.minibatches_per_step, groups)
+        bounds = [round(i * groups / count) for i in range(count + 1)]
+        dp_rank, dp_size = self.ps.get_data_parallel_rank(), self.ps.get_data_parallel_world_size()
+        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        minibatches = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            sequences = [i for i in range(len(batch)) if lo <= int(batch.group_ids[i]) < hi]
+            mine = partition_for_rank(len(sequences), [lengths[i] for i in sequences], dp_rank, dp_size)
+            indices = [sequences[i] for i in mine]
+            minibatches.append(make_microbatches(batch, indices, b.micro_batch_size, self.device))
+        return minibatches
+
+    def _rollout_statistics(self, old_stats, microbatches) -> dict:
+        """Policy entropy and the train/rollout log-prob mismatch over every response token."""
+        totals = torch.zeros(4, dtype=torch.float64, device=self.device)
+        if self.ps.is_pipeline_last_stage():
+            for stats, mb in zip(old_stats, microbatches):
+                mask = mb["response_mask"] > 0
+                totals[0] += mask.sum()
+                totals[1] += stats.entropy[mask].double().sum()
+                totals[2] += (stats.logprob - mb["rollout_logprobs"])[mask].abs().double().sum()
+                totals[3] = torch.maximum(totals[3], (stats.logprob - mb["rollout_logprobs"])[mask].abs().double().max()) if mask.any() else totals[3]
+            sums = totals[:3].clone()
+            dist.all_reduce(sums, group=self.ps.get_data_parallel_group())
+            largest = totals[3:].clone()
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.ps.get_data_parallel_group())
+            tokens = max(float(sums[0]), 1.0)
+            return {
+                "policy/entropy": float(sums[1]) / tokens,
+                "mismatch/logprob_abs_mean": float(sums[2]) / tokens,
+                "mismatch/logprob_abs_max": float(largest[0]),
+            }
+        return {}
+
+    def sync_weights(self, version: int) -> None:
+        """Send the current weights to the rollout engine (rank 0) through the export stream."""
+        if self.ps.get_data_parallel_rank() != 0:
+            return
+        stream = export_hf_tensors(self.model, self.arch, destination="first_rank")
+        if self.rank == 0:
+            self.collector.engine.load_weights(stream, version=version)
+        else:
+            for _ in stream:
+                pass
+
+    def evaluate(self, step: int) -> dict:
+        metrics = {}
+        if self.rank == 0:
+            metrics = self.evaluator.evaluate_in_training(step, self.run_dir)
+        return metrics
+
+    def save(self) -> None:
+        progress = [None]
+        if self.rank == 0:
+            progress[0] = {
+                "step": self.step,
+                "skipped_steps": self.skipped_steps,
+                "optimizer_steps": self.optimizer_steps,
+                "sampler": self.collector.sampler.state_dict(),
+            }
+        # The sampler lives on rank 0; every rank must hand dist_checkpointing the same common state.
+        dist.broadcast_object_list(progress, src=0)
+        progress = progress[0]
+        assets = hf_assets(self.cfg.tokenizer or self.cfg.checkpoint.load_hf) if (self.cfg.tokenizer or self.cfg.checkpoint.load_hf) else None
+        self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, progress, self.arch, self.params_dtype, assets)
+
+    def _agree_to_stop(self) -> bool:
+        requested = self.stop_requested or (self.rank == 0 and (self.run_dir / STOP_FILE).exists())
+        flag = torch.tensor(float(requested), device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and self.rank == 0 and (self.run_dir / STOP_FILE).exists():
+            (self.run_dir / STOP_FILE).unlink()
+        return bool(flag.item())
+
+    def _log(self, step: int, metrics: dict, timer: PhaseTimer, batch: RolloutBatch) -> None:
+        metrics = self._from_reporter(metrics)
+        if self.rank != 0:
+            return
+        metrics.update(timer.metrics())
+        total = sum(timer.seconds.values())
+        tokens = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
+        metrics["time/step"] = total
+        metrics["throughput/tokens_per_s"] = tokens / total if total > 0 else 0.0
+        metrics["optim/optimizer_steps"] = float(self.optimizer_steps)
+        self.logger.log(step, metrics)
+
+    def _from_reporter(self, metrics: dict) -> dict:
+        """Merge the last stage's metrics (first TP/DP rank) into rank 0's."""
+        reporter = (
+            self.ps.is_pipeline_last_stage()
+            and self.ps.get_tensor_model_parallel_rank() == 0
+            and self.ps.get_data_parallel_rank() == 0
+        )
+        source = torch.tensor(float(self.rank if reporter else -1), device=self.device)
+        dist.all_reduce(source, op=dist.ReduceOp.MAX)
+        if int(source.item()) == 0:
+            return metrics
+        payload = [metrics if reporter else None]
+        dist.broadcast_object_list(payload, src=int(source.item()))
+        return {**payload[0], **metrics} if self.rank == 0 else metrics
+
+    def _message(self, text: str) -> None:
+        if self.rank == 0:
+            (self.logger.message if self.logger else print)(text)
+
+    def close(self) -> None:
+        if self.rank == 0 and self.collector is not None:
+            self.collector.engine.shutdown()
+            self.collector.reward_pool.close()
+            self.logger.close()
+
+
+def _average(rows: list[dict]) -> dict:
+    """Mean over the step's optimizer steps of each metric (counts are summed)."""
+    if not rows:
+        return {}
+    out = {}
+    for key in rows[0]:
+        values = [r[key] for r in rows if key in r and math.isfinite(r[key])]
+        if not values:
+            continue
+        summed = key.endswith(("_tokens", "/candidates", "/silenced_candidates"))
+        out[key] = sum(values) if summed else sum(values) / len(values)
+    return out

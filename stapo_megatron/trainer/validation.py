@@ -1,0 +1,95 @@
+"""Checks across config sections and against files on disk, before any process group starts."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from stapo_megatron.config import ConfigError
+from stapo_megatron.models.qwen3.config import Qwen3Config
+from stapo_megatron.models.qwen3.model import transformer_engine_available
+from stapo_megatron.models.qwen3.parallelize import check_layout
+from stapo_megatron.trainer.config import TrainConfig
+
+# Fields that describe the weights; the rest (dtype written on export, rope length) may differ.
+_ARCH_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "tie_word_embeddings",
+)
+
+
+def _check_same_arch(expected: Qwen3Config, found: Qwen3Config, where: str) -> None:
+    for name in _ARCH_FIELDS:
+        if getattr(expected, name) != getattr(found, name):
+            raise ConfigError(
+                f"model.{name}: is {getattr(expected, name)!r} but {where} has {getattr(found, name)!r}"
+            )
+
+
+def _check_initial_weights(cfg: TrainConfig) -> None:
+    from stapo_megatron.checkpoint.hf_io import HFCheckpoint
+    from stapo_megatron.models.qwen3.state_dict_adapter import hf_tensor_shapes
+
+    ckpt = cfg.checkpoint
+    if ckpt.load_hf:
+        if not Path(ckpt.load_hf).is_dir():
+            raise ConfigError(f"checkpoint.load_hf: {ckpt.load_hf} is not a directory")
+        _check_same_arch(cfg.model, Qwen3Config.from_hf(ckpt.load_hf), ckpt.load_hf)
+        ignorable = ["lm_head.weight"] if cfg.model.tie_word_embeddings else []
+        HFCheckpoint(ckpt.load_hf).check(hf_tensor_shapes(cfg.model), ignorable=ignorable)
+    if ckpt.load_megatron:
+        from stapo_megatron.checkpoint.convert import read_meta
+
+        arch, _ = read_meta(ckpt.load_megatron)
+        _check_same_arch(cfg.model, arch, ckpt.load_megatron)
+
+
+def _check_data(cfg: TrainConfig) -> None:
+    data = cfg.data
+    if data.is_synthetic:
+        from stapo_megatron.data.synthetic import TinyTokenizer
+
+        needed = TinyTokenizer(distractors=data.synthetic_distractors).vocab_size
+        if cfg.model.vocab_size < needed:
+            raise ConfigError(
+                f"model.vocab_size: {cfg.model.vocab_size} is smaller than the synthetic task's tokenizer ({needed} tokens)"
+            )
+        return
+    source = Path(data.source)
+    if source.suffix in (".parquet", ".jsonl", ".json") and not source.is_file():
+        raise ConfigError(f"data.source: {data.source} does not exist")
+    tokenizer = cfg.tokenizer or cfg.checkpoint.load_hf
+    if not tokenizer:
+        raise ConfigError("tokenizer: needed for a real dataset (or set checkpoint.load_hf, whose tokenizer is used)")
+    if not Path(tokenizer).is_dir():
+        raise ConfigError(f"tokenizer: {tokenizer} is not a directory")
+
+
+def check_train_config(cfg: TrainConfig) -> None:
+    p = cfg.parallel
+    check_layout(cfg.model, p.tensor_parallel, p.pipeline_parallel)
+    if p.context_parallel > 1:
+        raise ConfigError("parallel.context_parallel: the trainer runs with context_parallel = 1 (padded micro-batches)")
+    if p.sequence_parallel and not transformer_engine_available():
+        raise ConfigError("parallel.sequence_parallel: needs Transformer Engine's layers (not importable here)")
+    if cfg.algo.kl_coef > 0:
+        raise ConfigError("algo.kl_coef: the trainer keeps no reference model (STAPO, GRPO, DAPO, JustRL use none); set 0")
+    if cfg.algo.overlong_shaping and cfg.algo.overlong_buffer > cfg.batch.max_new_tokens:
+        raise ConfigError(
+            f"algo.overlong_buffer: {cfg.algo.overlong_buffer} is longer than batch.max_new_tokens {cfg.batch.max_new_tokens}"
+        )
+    if cfg.data.is_synthetic and cfg.reward.kind != "exact":
+        raise ConfigError("reward.kind: the synthetic task is scored with the exact reward (its answers have no \\boxed{})")
+    if cfg.eval.every:
+        from stapo_megatron.data.benchmarks import get_benchmark
+
+        if not cfg.eval.data_dir:
+            raise ConfigError("eval.data_dir: needed when eval.every > 0")
+        for name in cfg.eval.benchmarks:
+            path = Path(cfg.eval.data_dir) / get_benchmark(name).file_name
+            if not path.is_file():
+                raise ConfigError(f"eval.data_dir: {path} (benchmark {name}) does not exist")
+    if cfg.logging.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb_project: wandb is not installed (pip install 'stapo_megatron[wandb]')")
+    _check_data(cfg)
+    _check_initial_weights(cfg)
