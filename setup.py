@@ -42,6 +42,8 @@ setup(
         # dist_checkpointing's writer processes import psutil, which megatron-core does not declare.
         "psutil>=5.9",
         "math-verify>=0.8,<0.10",
+        # The reward parser subclasses a private converter of this release line (see rewards/math_equiv.py).
+        "latex2sympy2_extended>=1.11,<1.12",
         "datasets>=2.19",
         "pyarrow>=14",
         "tqdm>=4.66",

@@ -1,0 +1,347 @@
+"""Scoring batches of responses with a persistent pool of verification workers.
+
+The trainer's process only slices strings (finding the last box) and deduplicates
+(answer, ground truth) pairs; every parse and comparison happens in a worker process
+(:mod:`stapo_megatron.rewards.worker`) under a per-sample time limit. A worker still busy
+``timeout_s + kill_grace_s`` after it started a sample is killed and replaced; the sample gets
+reason ``timeout`` and the samples queued behind it go to the other workers.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import multiprocessing
+import os
+import pickle
+import subprocess
+import sys
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Callable, Sequence
+
+from stapo_megatron.rewards.config import RewardConfig
+from stapo_megatron.rewards.extract import exact_answer, find_last_box, normalize_exact
+from stapo_megatron.rewards.result import RewardResult
+from stapo_megatron.rewards.worker import WorkerSettings
+
+logger = logging.getLogger(__name__)
+
+# Start-up imports sympy, antlr and math_verify and runs the self-check: about a second on an idle
+# core; the bound only catches a worker that hangs while starting.
+_STARTUP_TIMEOUT_S = 120.0
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+# -c rather than -m: runpy warns when the package (which imports the worker module) is already loaded.
+_WORKER_ENTRY = "import sys; from stapo_megatron.rewards.worker import main; sys.exit(main(sys.argv[1:]))"
+
+
+@dataclasses.dataclass(eq=False)
+class _Worker:
+    proc: subprocess.Popen
+    conn: Connection
+    spawned_at: float
+    ready: bool = False
+    inflight: collections.deque = dataclasses.field(default_factory=collections.deque)
+    head_started: float = 0.0
+
+
+def _stop_all(workers: list[_Worker]) -> None:
+    """Kill whatever is still running (the pool's finalizer; also used by close)."""
+    for worker in workers:
+        if worker.proc.poll() is None:
+            worker.proc.kill()
+    for worker in workers:
+        try:
+            worker.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # pragma: no cover - a process that ignores SIGKILL
+            pass
+        worker.conn.close()
+    workers.clear()
+
+
+class RewardPool:
+    """Rewards for batches of responses: ``score(responses, answers) -> list[RewardResult]``.
+
+    ``kind="math"`` verifies the last box against the ground truth in ``num_workers`` worker
+    processes; ``kind="exact"`` compares normalized strings in this process and starts no worker.
+    ``worker_init`` (a picklable, module-level function) runs in each worker after its warm-up,
+    before the code-evaluation guard and the first sample. Not thread-safe; close it when done
+    (or use it as a context manager).
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 2,
+        timeout_s: float = 5.0,
+        kind: str = "math",
+        *,
+        kill_grace_s: float = 1.0,
+        max_answer_chars: int = 1000,
+        prefetch: int = 4,
+        memory_limit_mb: int = 4096,
+        forbid_code_eval: bool = True,
+        cache_size: int = 8192,
+        worker_init: Callable[[], None] | None = None,
+    ):
+        # The config's checks, with the config's messages.
+        RewardConfig(
+            kind=kind,
+            num_workers=num_workers,
+            timeout_s=timeout_s,
+            kill_grace_s=kill_grace_s,
+            max_answer_chars=max_answer_chars,
+            prefetch=prefetch,
+            memory_limit_mb=memory_limit_mb,
+            forbid_code_eval=forbid_code_eval,
+            cache_size=cache_size,
+        )
+        self.kind = kind
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self.hard_limit_s = float(timeout_s) + float(kill_grace_s)
+        self.max_answer_chars = max_answer_chars
+        self.prefetch = prefetch
+        self._settings = WorkerSettings(
+            timeout_s=float(timeout_s),
+            memory_limit_mb=memory_limit_mb,
+            forbid_code_eval=forbid_code_eval,
+            cache_size=cache_size,
+            worker_init=worker_init,
+        )
+        self.workers_replaced = 0
+        self._closed = False
+        self._workers: list[_Worker] = []
+        self._finalizer = weakref.finalize(self, _stop_all, self._workers)
+        if kind == "math":
+            for _ in range(num_workers):
+                self._workers.append(self._spawn())
+
+    @classmethod
+    def from_config(cls, cfg: RewardConfig, worker_init: Callable[[], None] | None = None) -> "RewardPool":
+        return cls(
+            num_workers=cfg.num_workers,
+            timeout_s=cfg.timeout_s,
+            kind=cfg.kind,
+            kill_grace_s=cfg.kill_grace_s,
+            max_answer_chars=cfg.max_answer_chars,
+            prefetch=cfg.prefetch,
+            memory_limit_mb=cfg.memory_limit_mb,
+            forbid_code_eval=cfg.forbid_code_eval,
+            cache_size=cfg.cache_size,
+            worker_init=worker_init,
+        )
+
+    # ------------------------------------------------------------------ public
+
+    def score(self, responses: Sequence[str], answers: Sequence[str]) -> list[RewardResult]:
+        """One result per response, in order; ``answers[i]`` is the ground truth of ``responses[i]``."""
+        if self._closed:
+            raise RuntimeError("RewardPool.score: the pool is closed")
+        if len(responses) != len(answers):
+            raise ValueError(f"RewardPool.score: {len(responses)} responses but {len(answers)} answers")
+        for name, items in (("responses", responses), ("answers", answers)):
+            for i, item in enumerate(items):
+                if not isinstance(item, str):
+                    raise TypeError(f"RewardPool.score: {name}[{i}] is {type(item).__name__}, expected str")
+        if self.kind == "exact":
+            return [self._score_exact(response, answer) for response, answer in zip(responses, answers)]
+
+        results: list[RewardResult | None] = [None] * len(responses)
+        # Identical (answer, ground truth) pairs are verified once: groups of G samples agree often.
+        groups: dict[tuple[str, str], list[int]] = {}
+        for i, (response, answer) in enumerate(zip(responses, answers)):
+            started = time.perf_counter()
+            span = find_last_box(response, self.max_answer_chars)
+            if span.reason is not None:
+                results[i] = RewardResult(0.0, span.reason, None, time.perf_counter() - started)
+            else:
+                groups.setdefault((span.answer, answer), []).append(i)
+        pairs = list(groups)
+        outcomes = self._run(pairs) if pairs else []
+        for (pair, indices), (reason, seconds) in zip(groups.items(), outcomes):
+            result = RewardResult(1.0 if reason == "correct" else 0.0, reason, pair[0], seconds)
+            for i in indices:
+                results[i] = result
+        return results  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Stop the workers (politely, then by force). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self._workers:
+            try:
+                worker.conn.send(None)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 2.0
+        for worker in self._workers:
+            try:
+                worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self._finalizer()
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _score_exact(self, response: str, answer: str) -> RewardResult:
+        started = time.perf_counter()
+        span = exact_answer(response, self.max_answer_chars)
+        if span.reason is not None:
+            return RewardResult(0.0, span.reason, None, time.perf_counter() - started)
+        correct = span.answer == normalize_exact(answer)
+        return RewardResult(
+            1.0 if correct else 0.0, "correct" if correct else "wrong", span.answer, time.perf_counter() - started
+        )
+
+    def _spawn(self) -> _Worker:
+        parent_end, child_end = multiprocessing.Pipe(duplex=True)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        fd = child_end.fileno()
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER_ENTRY, str(fd)],
+            pass_fds=(fd,),
+            stdin=subprocess.DEVNULL,
+            env=env,
+            # Its own session: a ^C at the terminal is the trainer's to handle, not the workers'.
+            start_new_session=True,
+        )
+        child_end.close()
+        worker = _Worker(proc=proc, conn=parent_end, spawned_at=time.monotonic())
+        try:
+            parent_end.send(list(sys.path))
+            parent_end.send(self._settings)
+        except (pickle.PicklingError, AttributeError, TypeError) as err:
+            _stop_all([worker])
+            raise TypeError(
+                f"RewardPool: worker_init must be picklable (a module-level function, or a functools.partial "
+                f"of one): {err}"
+            ) from None
+        return worker
+
+    def _replace(self, worker: _Worker, queue: collections.deque) -> None:
+        """Kill ``worker`` (if still alive), put its queued tasks back in front, start a new one."""
+        queue.extendleft(reversed(worker.inflight))
+        worker.inflight.clear()
+        if worker.proc.poll() is None:
+            worker.proc.kill()
+        worker.proc.wait()
+        worker.conn.close()
+        self._workers[self._workers.index(worker)] = self._spawn()
+        self.workers_replaced += 1
+
+    def _fail(self, message: str) -> None:
+        self.close()
+        raise RuntimeError(message)
+
+    def wait_ready(self) -> None:
+        """Block until every worker has started (the first score does this too); raises if one cannot."""
+        if self._closed:
+            raise RuntimeError("RewardPool.wait_ready: the pool is closed")
+        self._run([])
+
+    def _run(self, pairs: list[tuple[str, str]]) -> list[tuple[str, float]]:
+        """(reason, seconds) for each (answer, ground truth) pair, verified by the workers.
+
+        With no pairs, returns once every worker is ready.
+        """
+        out: list[tuple[str, float] | None] = [None] * len(pairs)
+        queue = collections.deque(range(len(pairs)))
+        remaining = len(pairs)
+        until_ready = not pairs
+        try:
+            while remaining or (until_ready and not all(w.ready for w in self._workers)):
+                for worker in list(self._workers):
+                    remaining -= self._dispatch(worker, queue, pairs, out)
+                watched = [w for w in self._workers if w.inflight or not w.ready]
+                deadline = min(
+                    w.head_started + self.hard_limit_s if w.ready else w.spawned_at + _STARTUP_TIMEOUT_S
+                    for w in watched
+                )
+                readable = wait([w.conn for w in watched], timeout=max(0.0, deadline - time.monotonic()))
+                for worker in [w for w in watched if w.conn in readable]:
+                    remaining -= self._receive(worker, queue, out)
+                now = time.monotonic()
+                for worker in list(self._workers):
+                    if not worker.ready and now - worker.spawned_at > _STARTUP_TIMEOUT_S:
+                        self._fail(f"reward worker did not start within {_STARTUP_TIMEOUT_S:.0f} s")
+                    if worker.ready and worker.inflight and now - worker.head_started > self.hard_limit_s:
+                        out[worker.inflight.popleft()] = ("timeout", now - worker.head_started)
+                        remaining -= 1
+                        logger.warning(
+                            "reward worker %d stuck for %.1f s on one answer: killed and replaced",
+                            worker.proc.pid,
+                            now - worker.head_started,
+                        )
+                        self._replace(worker, queue)
+        except BaseException:
+            # Results still on their way would be read as the next batch's: drop the busy workers.
+            if not self._closed:
+                for worker in list(self._workers):
+                    if worker.inflight:
+                        worker.inflight.clear()
+                        self._replace(worker, queue)
+            raise
+        return out  # type: ignore[return-value]
+
+    def _dispatch(self, worker: _Worker, queue: collections.deque, pairs, out) -> int:
+        """Top up a ready worker's queue. Returns how many tasks got settled (a dead worker's current one)."""
+        if not worker.ready:
+            return 0
+        while queue and len(worker.inflight) < self.prefetch:
+            task = queue.popleft()
+            try:
+                worker.conn.send((task, *pairs[task]))
+            except OSError:  # it died while idle: the task never reached it
+                queue.appendleft(task)
+                return self._on_death(worker, queue, out)
+            if not worker.inflight:
+                worker.head_started = time.monotonic()
+            worker.inflight.append(task)
+        return 0
+
+    def _receive(self, worker: _Worker, queue: collections.deque, out) -> int:
+        """Read one message from a worker. Returns how many tasks it settled."""
+        try:
+            message = worker.conn.recv()
+        except (EOFError, OSError):
+            return self._on_death(worker, queue, out)
+        if not worker.ready:
+            if message[0] == "failed":
+                self._fail(f"reward worker failed to start: {message[1]}")
+            worker.ready = True
+            return 0
+        task, reason, seconds = message
+        if task != worker.inflight[0]:  # pragma: no cover - protocol invariant
+            self._fail(f"reward worker answered task {task}, expected {worker.inflight[0]}")
+        worker.inflight.popleft()
+        worker.head_started = time.monotonic()
+        out[task] = (reason, seconds)
+        return 1
+
+    def _on_death(self, worker: _Worker, queue: collections.deque, out) -> int:
+        """A worker's socket closed. Returns how many tasks that settles (its current one: error)."""
+        if worker.proc.poll() is None:  # a closed socket means it is exiting; do not wait on it
+            worker.proc.kill()
+        code = worker.proc.wait()
+        if not worker.ready:
+            self._fail(f"reward worker exited during start-up with code {code} (its error is on stderr above)")
+        settled = 0
+        if worker.inflight:
+            # Its current sample crashed it (the OOM killer, a segfault): that sample is an error,
+            # not retried, so one input cannot take down worker after worker.
+            out[worker.inflight.popleft()] = ("error", time.monotonic() - worker.head_started)
+            settled = 1
+        logger.warning("reward worker %d died with code %d: replaced", worker.proc.pid, code)
+        self._replace(worker, queue)
+        return settled
