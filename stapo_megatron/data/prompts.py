@@ -133,3 +133,13 @@ def build_prompt_dataset(cfg: DataConfig, tokenizer: Any, encode_batch_size: int
     if not kept_records:
         raise DataError(f"{cfg.source}: no usable prompts ({report.summary()})")
     return PromptDataset(kept_records, kept_ids, report)
+
+
+def default_stop_token_ids(tokenizer: Any, chat_template: bool) -> list[int]:
+    """The tokens that end a response: end-of-text, and end-of-turn when prompts use the chat template."""
+    ids = {tokenizer.eos_token_id}
+    if chat_template:
+        end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(end_of_turn, int) and end_of_turn != getattr(tokenizer, "unk_token_id", None):
+            ids.add(end_of_turn)
+    return sorted(i for i in ids if i is not None)

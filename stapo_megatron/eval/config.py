@@ -27,9 +27,18 @@ class EvalConfig:
     limit: int = option(0, "Problems per benchmark (0: all), for quick checks.")
     max_new_tokens: int = option(0, "Longest response (0: the training batch.max_new_tokens).")
     seed: int = option(0, "Sampling seed of evaluation.")
+    k_by_benchmark: dict = option(
+        {}, "Samples per problem of single benchmarks, e.g. {aime24: 16}; overrides k (and the default) for them."
+    )
+    problems_per_call: int = option(
+        0,
+        "Problems sampled by one engine call; their samples derive from one seed, so keep it when resuming "
+        "(0: 1 with the local engine, so each problem's samples depend only on its own seed; 64 with SGLang, "
+        "to keep the servers busy).",
+    )
 
     def __post_init__(self):
-        for name in ("every", "k", "limit", "max_new_tokens"):
+        for name in ("every", "k", "limit", "max_new_tokens", "problems_per_call"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         unknown = [b for b in self.benchmarks if b not in BENCHMARKS]
@@ -37,7 +46,19 @@ class EvalConfig:
             raise ConfigError(f"benchmarks: unknown benchmark '{unknown[0]}' (known: {', '.join(BENCHMARKS)})")
         if not self.benchmarks:
             raise ConfigError("benchmarks: name at least one benchmark")
+        if len(set(self.benchmarks)) != len(self.benchmarks):
+            twice = next(b for b in self.benchmarks if self.benchmarks.count(b) > 1)
+            raise ConfigError(f"benchmarks: '{twice}' is listed twice")
+        for name, k in self.k_by_benchmark.items():
+            if name not in BENCHMARKS:
+                raise ConfigError(f"k_by_benchmark: unknown benchmark '{name}' (known: {', '.join(BENCHMARKS)})")
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise ConfigError(f"k_by_benchmark: {name}: must be an integer >= 1, got {k!r}")
 
     @property
     def sampling(self) -> tuple[float, float]:
         return DECODING[self.decoding]
+
+    def k_for(self, benchmark: str) -> int:
+        """Samples per problem of ``benchmark``: its own override, else k, else the paper's default."""
+        return self.k_by_benchmark.get(benchmark) or self.k or BENCHMARKS[benchmark].default_k

@@ -54,6 +54,8 @@ def _flat(lists: list[list], dtype) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _split(values: torch.Tensor, lengths: torch.Tensor) -> list[list]:
+    if lengths.numel() == 0:
+        return []
     return [chunk.tolist() for chunk in torch.split(values, lengths.tolist())]
 
 

@@ -3,8 +3,9 @@
 Without Transformer Engine or apex, Megatron wraps ``torch.optim.AdamW``, and saving/loading its
 state has three bugs (in Megatron itself, on any device):
 
-1. ``sharded_state_dict(is_loading=True)`` on a fresh optimizer asserts, because the Adam
-   state is still empty and no ``step`` can be read from it;
+1. ``sharded_state_dict`` on an optimizer that has not stepped yet (a fresh one being loaded
+   into, or one saved before its first update) asserts, because the Adam state is still empty
+   and no ``step`` can be read from it;
 2. restoring states copies the ``step`` key too (``KeyError: 'step'``) and copies into the main
    parameters, leaves that require grad, outside ``no_grad``;
 3. loading hands every parameter the same ``step`` tensor; AdamW increments it once per
@@ -49,8 +50,7 @@ def apply() -> None:
     original_load_state_dict = cls.load_state_dict
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-        if is_loading:
-            _empty_adam_state(self.optimizer)  # fix 1
+        _empty_adam_state(self.optimizer)  # fix 1: the state AdamW would create on its first step
         return original_sharded_state_dict(self, model_sharded_state_dict, is_loading, **kwargs)
 
     def set_main_param_and_optimizer_states(self, model_param, tensors):

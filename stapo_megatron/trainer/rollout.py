@@ -49,7 +49,7 @@ class RolloutCollector:
             max_new_tokens=b.max_new_tokens, stop_token_ids=self.stop_token_ids, seed=seed,
         )
 
-    def collect(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+    def collect(self, step: int, timer) -> tuple[RolloutBatch, dict[str, float]]:
         b, algo = self.cfg.batch, self.cfg.algo
         kept = _Groups()
         reasons = dict.fromkeys(REASONS, 0)
@@ -57,11 +57,15 @@ class RolloutCollector:
         rounds = 0
         while kept.groups < b.prompts_per_step and rounds < (b.max_sampling_rounds if algo.dynamic_sampling else 1):
             prompts = self.dataset.batch(self.sampler.next_indices(b.prompts_per_step - kept.groups))
-            completions = self.engine.generate([list(p.prompt_ids) for p in prompts], self._sampling(step_seed(self.cfg.run.seed, step, rounds)))
+            with timer("rollout"):
+                completions = self.engine.generate(
+                    [list(p.prompt_ids) for p in prompts], self._sampling(step_seed(self.cfg.run.seed, step, rounds))
+                )
             rounds += 1
             flat = [(p, c) for p, group in zip(prompts, completions) for c in group]
-            texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in flat]
-            results = self.reward_pool.score(texts, [p.record.answer for p, _ in flat])
+            with timer("reward"):
+                texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in flat]
+                results = self.reward_pool.score(texts, [p.record.answer for p, _ in flat])
             for reason, count in summarize_reasons(results).items():
                 reasons[reason] += count
             correct = torch.tensor([r.reward for r in results], dtype=torch.float32)

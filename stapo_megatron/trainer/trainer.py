@@ -11,6 +11,7 @@ import torch.distributed as dist
 from stapo_megatron.checkpoint.convert import export_hf_tensors, fill_from_hf, hf_assets, load_model
 from stapo_megatron.checkpoint.hf_io import HFCheckpoint
 from stapo_megatron.config import to_dict
+from stapo_megatron.data.prompts import default_stop_token_ids
 from stapo_megatron.loss import needs_statistics_pass
 from stapo_megatron.models.qwen3.parallelize import build_stage
 from stapo_megatron.runtime.distributed import device, init_distributed
@@ -36,14 +37,7 @@ def build_tokenizer(cfg: TrainConfig):
 
 
 def stop_token_ids(cfg: TrainConfig, tokenizer) -> list[int]:
-    if cfg.batch.stop_token_ids:
-        return list(cfg.batch.stop_token_ids)
-    ids = {tokenizer.eos_token_id}
-    if cfg.data.chat_template:
-        end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        if isinstance(end_of_turn, int) and end_of_turn != getattr(tokenizer, "unk_token_id", None):
-            ids.add(end_of_turn)
-    return sorted(i for i in ids if i is not None)
+    return list(cfg.batch.stop_token_ids) or default_stop_token_ids(tokenizer, cfg.data.chat_template)
 
 
 class Trainer:
@@ -184,7 +178,10 @@ class Trainer:
         if cfg.eval.every:
             from stapo_megatron.eval.evaluator import Evaluator
 
-            self.evaluator = Evaluator(engine, self.tokenizer, cfg.eval, cfg.data, cfg.reward, default_max_new_tokens=cfg.batch.max_new_tokens)
+            self.evaluator = Evaluator(
+                engine, self.tokenizer, cfg.eval, cfg.data, cfg.reward,
+                default_max_new_tokens=cfg.batch.max_new_tokens, stop_token_ids=stop_token_ids(cfg, self.tokenizer),
+            )
 
     def _install_signal_handlers(self) -> None:
         def request_stop(signum, frame):
@@ -203,8 +200,7 @@ class Trainer:
             while self.step < self.cfg.run.steps:
                 step = self.step + 1
                 timer = PhaseTimer()
-                with timer("rollout"):
-                    batch, metrics = self.collect_rollouts(step)
+                batch, metrics = self.collect_rollouts(step, timer)
                 if len(batch):
                     metrics.update(self.update_policy(batch, step, timer))
                 else:
@@ -225,11 +221,12 @@ class Trainer:
         finally:
             self.close()
 
-    def collect_rollouts(self, step: int) -> tuple[RolloutBatch, dict]:
+    def collect_rollouts(self, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict]:
         batch, metrics = (None, {})
         if self.rank == 0:
-            batch, metrics = self.collector.collect(step)
-        return RolloutBatch.broadcast(batch), metrics
+            batch, metrics = self.collector.collect(step, timer)
+        with timer("broadcast"):
+            return RolloutBatch.broadcast(batch), metrics
 
     def update_policy(self, batch: RolloutBatch, step: int, timer: PhaseTimer) -> dict:
         minibatches = self._microbatches(batch)
@@ -394,6 +391,7 @@ def _average(rows: list[dict]) -> dict:
     for key in rows[0]:
         values = [r[key] for r in rows if key in r and math.isfinite(r[key])]
         if not values:
+            out[key] = float("nan")  # logged as null: the key stays in every row
             continue
         summed = key.endswith(("_tokens", "/candidates", "/silenced_candidates"))
         out[key] = sum(values) if summed else sum(values) / len(values)

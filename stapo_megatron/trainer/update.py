@@ -184,6 +184,6 @@ def summarize_loss_metrics(m: dict[str, torch.Tensor]) -> dict[str, float]:
         out["s2t/silenced_candidates"] = value("silenced_candidate_tokens")
     silenced = value("silenced_tokens")
     out["s2t/entropy_silenced"] = value("entropy_silenced_sum") / silenced if silenced > 0 else 0.0
-    if value("tau_h_count") > 0:
-        out["s2t/tau_h"] = ratio("tau_h_sum", "tau_h_count")
+    # No candidates (no threshold) is logged as null, so the series keeps its gaps.
+    out["s2t/tau_h"] = ratio("tau_h_sum", "tau_h_count") if value("tau_h_count") > 0 else float("nan")
     return out

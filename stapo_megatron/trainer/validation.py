@@ -83,6 +83,9 @@ def check_train_config(cfg: TrainConfig) -> None:
     if cfg.eval.every:
         from stapo_megatron.data.benchmarks import get_benchmark
 
+        if cfg.data.is_synthetic:
+            raise ConfigError("eval.every: the math benchmarks cannot be evaluated with the synthetic task's tokenizer; set 0")
+
         if not cfg.eval.data_dir:
             raise ConfigError("eval.data_dir: needed when eval.every > 0")
         for name in cfg.eval.benchmarks:

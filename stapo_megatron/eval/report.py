@@ -1,0 +1,103 @@
+"""Metric names and the Markdown table of results, in the STAPO paper's layout.
+
+The table has one row per (model, decoding) and one column per benchmark, then the average; a
+cell is avg@k in percent. A cell evaluated off the paper's protocol says so: another k, or only
+the first problems of the benchmark (--limit).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Sequence
+
+from stapo_megatron.config import ConfigError
+from stapo_megatron.data.benchmarks import BENCHMARKS
+from stapo_megatron.eval.store import RESULTS_FILE, read_json
+
+# Column titles as the paper writes them.
+DISPLAY_NAMES = {
+    "aime24": "AIME24",
+    "aime25": "AIME25",
+    "amc23": "AMC23",
+    "math500": "MATH-500",
+    "minerva": "Minerva",
+    "olympiadbench": "OlympiadBench",
+    "gsm8k": "GSM8K",
+}
+MISSING = "–"
+
+
+def flat_metrics(results: dict) -> dict[str, float]:
+    """``eval/<benchmark>/avg@<k>``, ``eval/<benchmark>/pass@<j>``, ... and ``eval/average/*``."""
+    metrics: dict[str, float] = {}
+    for name, b in results["benchmarks"].items():
+        prefix = f"eval/{name}/"
+        metrics[f"{prefix}avg@{b['k']}"] = b["avg@k"]
+        for j, value in b["pass@k"].items():
+            metrics[f"{prefix}pass@{j}"] = value
+        metrics[f"{prefix}truncated"] = b["truncated"]
+        metrics[f"{prefix}response_tokens_mean"] = b["response_tokens_mean"]
+        for reason, count in b["reasons"].items():
+            metrics[f"{prefix}reason_{reason}"] = count / b["samples"]
+    average = results["average"]
+    for key in ("avg@k", "pass@k", "truncated"):
+        metrics[f"eval/average/{key}"] = average[key]
+    return metrics
+
+
+def _number(value: float) -> str:
+    return str(float(value))  # 1.0, 0.7, 0.95: as the paper writes them
+
+
+def decoding_label(decoding: dict) -> str:
+    return f"T={_number(decoding['temperature'])}, top-p={_number(decoding['top_p'])}"
+
+
+def _text(value: str) -> str:
+    """A label safe inside a table cell."""
+    return " ".join(str(value).split()).replace("|", "\\|")
+
+
+def _cell(name: str, score: dict) -> str:
+    text = f"{100.0 * score['avg@k']:.1f}"
+    notes = []
+    spec = BENCHMARKS.get(name)
+    if spec is None or score["k"] != spec.default_k:
+        notes.append(f"avg@{score['k']}")
+    if score["problems"] != score["problems_total"]:
+        notes.append(f"{score['problems']} of {score['problems_total']} problems")
+    return f"{text} ({'; '.join(notes)})" if notes else text
+
+
+def markdown_table(runs: Sequence[dict]) -> str:
+    """One table over ``runs`` (results dicts), columns in the registry's order (the paper's six first)."""
+    present = {name for run in runs for name in run["benchmarks"]}
+    columns = [name for name in BENCHMARKS if name in present] + sorted(present - set(BENCHMARKS))
+    header = ["Model", "Decoding", *(DISPLAY_NAMES.get(c, c) for c in columns), "Avg."]
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join([":--", ":--"] + ["--:"] * (len(columns) + 1)) + "|",
+    ]
+    for run in runs:
+        scores = run["benchmarks"]
+        cells = [_cell(c, scores[c]) if c in scores else MISSING for c in columns]
+        if all(c in scores for c in columns):
+            average = f"{100.0 * math.fsum(scores[c]['avg@k'] for c in columns) / len(columns):.1f}"
+        else:  # an average over other benchmarks than its neighbours' would mislead
+            average = MISSING
+        row = [_text(run["model"]), decoding_label(run["decoding"]), *cells, average]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def load_results(path: str | Path) -> dict:
+    """The results of a finished evaluation: its directory or its results.json."""
+    path = Path(path)
+    file = path / RESULTS_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(f"--compare: {path} has no {RESULTS_FILE} (not a finished evaluation)")
+    results = read_json(file, "--compare")
+    if not isinstance(results, dict) or not {"model", "decoding", "benchmarks"} <= set(results):
+        raise ConfigError(f"--compare: {file} is not a stapo evaluation result")
+    return results

@@ -1,0 +1,331 @@
+"""One evaluation: sample k responses per problem, score them, write every response and the scores.
+
+Problems are sampled in fixed groups of ``problems_per_call`` (in file order); a group's samples
+come from one engine call whose seed derives from (eval seed, benchmark, the group's first
+problem). An interrupted evaluation resumes from its responses file: a group with any sample
+missing is sampled again with the same seed, and only the missing samples are written, so with
+a deterministic engine (the local one) the result equals that of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from stapo_megatron.config import ConfigError
+from stapo_megatron.data.benchmarks import load_benchmark
+from stapo_megatron.data.prompts import PromptEncoder
+from stapo_megatron.data.records import DataError, PromptRecord
+from stapo_megatron.eval.config import EvalConfig
+from stapo_megatron.eval.metrics import avg_at_k, mean_pass_at, pass_levels
+from stapo_megatron.eval.report import flat_metrics, markdown_table
+from stapo_megatron.eval.store import (
+    RESPONSES_FILE,
+    RESULTS_FILE,
+    SETTINGS_FILE,
+    TABLE_FILE,
+    DirectoryLock,
+    ResponseStore,
+    read_json,
+    write_atomic,
+    write_json_atomic,
+)
+from stapo_megatron.rewards import (
+    RewardConfig,
+    RewardPool,
+    RewardResult,
+    summarize_reasons,
+)
+from stapo_megatron.rollout.engine import RolloutEngine, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+RESULTS_FORMAT = 1
+# problems_per_call = 0: one problem per call for the local engine (its samples then depend on
+# that problem's seed alone); SGLang needs many prompts in flight to keep its batches full.
+LOCAL_PROBLEMS_PER_CALL = 1
+SERVER_PROBLEMS_PER_CALL = 64
+# Scores need no texts; keeping them out of memory bounds it however long the responses are.
+_TEXT_FIELDS = ("response", "answer")
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchmarkTask:
+    """The problems of one benchmark that an evaluation samples, with their prompt token ids."""
+
+    name: str
+    k: int
+    records: list[PromptRecord]
+    prompt_ids: list[tuple[int, ...]]
+    total_problems: int  # usable problems in the file, before --limit
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+    seed: int
+    problems_per_call: int
+
+
+def load_tasks(cfg: EvalConfig, encoder: PromptEncoder) -> list[BenchmarkTask]:
+    """Load, cut to ``cfg.limit`` and encode each benchmark of ``cfg``."""
+    if not cfg.data_dir:
+        raise ConfigError("data_dir: the directory holding the benchmark files is required")
+    tasks = []
+    for name in cfg.benchmarks:
+        try:
+            records, report = load_benchmark(name, cfg.data_dir)
+        except DataError as err:
+            raise ConfigError(f"data_dir: {err}") from None
+        if report.num_dropped:
+            logger.warning("benchmark %s: %s", name, report.summary())
+        if not records:
+            raise ConfigError(f"data_dir: benchmark {name} has no usable problem ({report.summary()})")
+        chosen = records[: cfg.limit] if cfg.limit else records
+        try:
+            ids = [tuple(p) for p in encoder.encode_many(chosen)]
+        except ValueError as err:  # e.g. the synthetic task's tokenizer, which knows digits only
+            raise ConfigError(f"benchmarks: {name}: the tokenizer cannot encode its prompts ({err})") from None
+        tasks.append(BenchmarkTask(name, cfg.k_for(name), chosen, ids, len(records)))
+    return tasks
+
+
+def default_problems_per_call(engine_kind: str) -> int:
+    return LOCAL_PROBLEMS_PER_CALL if engine_kind == "local" else SERVER_PROBLEMS_PER_CALL
+
+
+def engine_kind(engine: RolloutEngine) -> str:
+    from stapo_megatron.rollout.local_engine import LocalEngine
+
+    return "local" if isinstance(engine, LocalEngine) else "sglang"
+
+
+def prompt_settings(encoder: PromptEncoder, reward_cfg: RewardConfig) -> dict:
+    """What decides the responses and their scores besides the model, the engine and the sampling."""
+    return {
+        "prompt_template": encoder.template,
+        "chat_template": encoder.chat_template,
+        "chat_template_kwargs": encoder.chat_template_kwargs,
+        "reward_kind": reward_cfg.kind,
+        "reward_max_answer_chars": reward_cfg.max_answer_chars,
+    }
+
+
+def group_seed(seed: int, benchmark: str, first_uid: str) -> int:
+    """The sampling seed of the group of problems starting at ``first_uid``: independent of what
+    else is evaluated, of --limit and of interruptions."""
+    digest = hashlib.sha256(f"stapo-eval:{seed}:{benchmark}:{first_uid}".encode()).digest()
+    return int.from_bytes(digest[:7], "little")
+
+
+def _normalized(data: Any) -> Any:
+    return json.loads(json.dumps(data))
+
+
+class EvalRun:
+    """An evaluation directory: ``settings.json``, ``responses.jsonl``, ``results.json``, ``table.md``.
+
+    Opening it locks the directory, checks that responses already there were sampled with the same
+    settings (``settings`` plus ``sampling``) or removes them when ``fresh``, and reads them. Use
+    as a context manager.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        tasks: Sequence[BenchmarkTask],
+        sampling: Sampling,
+        settings: dict,
+        *,
+        fresh: bool = False,
+    ):
+        self.directory = Path(directory)
+        self.tasks = list(tasks)
+        self.sampling = sampling
+        # The sampling always belongs to the settings a resumed evaluation must match.
+        self.settings = _normalized({**settings, **dataclasses.asdict(sampling)})
+        if self.directory.exists() and not self.directory.is_dir():
+            raise ConfigError(f"{self.directory}: exists and is not a directory")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock = DirectoryLock(self.directory)
+        self._lock.acquire()
+        try:
+            self.store = ResponseStore(self.directory / RESPONSES_FILE)
+            settings_path = self.directory / SETTINGS_FILE
+            if fresh:
+                for name in (RESULTS_FILE, TABLE_FILE):
+                    (self.directory / name).unlink(missing_ok=True)
+                self.store.clear()
+            elif settings_path.is_file():
+                self._check_same_settings(read_json(settings_path, "settings"))
+            elif self.store.path.is_file():
+                raise ConfigError(f"{self.directory}: has {RESPONSES_FILE} but no {SETTINGS_FILE}; cannot tell how they were sampled")
+            write_json_atomic(settings_path, self.settings)
+            self.records = self.store.load(drop=_TEXT_FIELDS)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _check_same_settings(self, old: Any) -> None:
+        if not isinstance(old, dict):
+            raise ConfigError(f"{self.directory / SETTINGS_FILE}: expected a JSON object")
+        for key in sorted(set(old) | set(self.settings)):
+            if old.get(key) != self.settings.get(key):
+                raise ConfigError(
+                    f"{self.directory}: holds responses sampled with {key}={old.get(key)!r}, this evaluation has "
+                    f"{key}={self.settings.get(key)!r} (use another output directory, or --overwrite to start over)"
+                )
+
+    def close(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> "EvalRun":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- sampling ----------------------------------------------------------------------------
+
+    def _groups(self, task: BenchmarkTask) -> list[range]:
+        size = self.sampling.problems_per_call
+        return [range(start, min(start + size, len(task.records))) for start in range(0, len(task.records), size)]
+
+    def _missing(self, task: BenchmarkTask, group: range) -> list[tuple[int, int]]:
+        return [
+            (i, s)
+            for i in group
+            for s in range(task.k)
+            if (task.name, task.records[i].uid, s) not in self.records
+        ]
+
+    def pending(self) -> int:
+        """Responses still to be sampled."""
+        return sum(len(self._missing(t, g)) for t in self.tasks for g in self._groups(t))
+
+    def generate(
+        self,
+        engine: RolloutEngine,
+        tokenizer: Any,
+        reward_cfg: RewardConfig,
+        log: Callable[[str], None] | None = None,
+        progress_every_s: float = 60.0,
+    ) -> None:
+        """Sample, score and append every missing response."""
+        s = self.sampling
+        pool: RewardPool | None = None
+        try:
+            for task in self.tasks:
+                todo = sum(len(self._missing(task, g)) for g in self._groups(task))
+                if not todo:
+                    continue
+                if log:
+                    done = len(task.records) * task.k - todo
+                    log(f"{task.name}: {len(task.records)} problems x {task.k} samples"
+                        + (f" ({done} already written)" if done else ""))
+                started = last_report = time.monotonic()
+                written = 0
+                for group in self._groups(task):
+                    missing = self._missing(task, group)
+                    if not missing:
+                        continue
+                    seed = group_seed(s.seed, task.name, task.records[group.start].uid)
+                    params = SamplingParams(
+                        n=task.k, temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
+                        stop_token_ids=s.stop_token_ids, seed=seed,
+                    )
+                    completions = engine.generate([list(task.prompt_ids[i]) for i in group], params)
+                    if len(completions) != len(group) or any(len(c) != task.k for c in completions):
+                        raise RuntimeError(f"{task.name}: the engine returned the wrong number of completions")
+                    chosen = [(i, sample, completions[i - group.start][sample]) for i, sample in missing]
+                    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, _, c in chosen]
+                    if pool is None:
+                        pool = RewardPool.from_config(reward_cfg)
+                    scores = pool.score(texts, [task.records[i].answer for i, _, _ in chosen])
+                    new = []
+                    for (i, sample, completion), text, score in zip(chosen, texts, scores):
+                        record = task.records[i]
+                        new.append({
+                            "benchmark": task.name, "uid": record.uid, "row": record.row, "sample": sample, "seed": seed,
+                            "answer": record.answer, "response": text, "extracted": score.extracted,
+                            "reward": score.reward, "reason": score.reason,
+                            "finish_reason": completion.finish_reason, "tokens": len(completion.token_ids),
+                        })
+                    self.store.append(new)
+                    for record in new:
+                        self.records[(task.name, record["uid"], record["sample"])] = {
+                            name: value for name, value in record.items() if name not in _TEXT_FIELDS
+                        }
+                    written += len(new)
+                    now = time.monotonic()
+                    if log and written < todo and now - last_report >= progress_every_s:
+                        last_report = now
+                        log(f"{task.name}: {written}/{todo} responses, {now - started:.0f} s")
+                if log:
+                    log(f"{task.name}: {written} responses in {time.monotonic() - started:.1f} s")
+        finally:
+            if pool is not None:
+                pool.close()
+
+    # ---- scores ------------------------------------------------------------------------------
+
+    def _benchmark_scores(self, task: BenchmarkTask) -> dict:
+        correct_counts, rewards, truncated, tokens = [], [], 0, 0
+        for record in task.records:
+            correct = 0
+            for sample in range(task.k):
+                row = self.records.get((task.name, record.uid, sample))
+                if row is None:
+                    raise RuntimeError(f"{task.name}: response {sample} of {record.uid} is missing; sample it first")
+                try:
+                    result = RewardResult(float(row["reward"]), row["reason"], row["extracted"])
+                except ValueError as err:
+                    raise ConfigError(f"{self.store.path}: {record.uid} sample {sample}: {err}") from None
+                rewards.append(result)
+                correct += result.reward == 1.0
+                truncated += row["finish_reason"] == "length"
+                tokens += row["tokens"]
+            correct_counts.append(correct)
+        samples = len(task.records) * task.k
+        return {
+            "k": task.k,
+            "problems": len(task.records),
+            "problems_total": task.total_problems,
+            "samples": samples,
+            "avg@k": avg_at_k(correct_counts, task.k),
+            "pass@k": {str(j): mean_pass_at(correct_counts, task.k, j) for j in pass_levels(task.k)},
+            "truncated": truncated / samples,
+            "response_tokens_mean": tokens / samples,
+            "reasons": summarize_reasons(rewards),
+        }
+
+    def results(self, model: str, decoding: dict) -> dict:
+        """The scores of every benchmark and their average; written to results.json and table.md."""
+        benchmarks = {task.name: self._benchmark_scores(task) for task in self.tasks}
+        scores = list(benchmarks.values())
+        average = {
+            "benchmarks": list(benchmarks),
+            "avg@k": sum(b["avg@k"] for b in scores) / len(scores),
+            "pass@k": sum(b["pass@k"][str(b["k"])] for b in scores) / len(scores),
+            "truncated": sum(b["truncated"] for b in scores) / len(scores),
+        }
+        results = {
+            "format": RESULTS_FORMAT,
+            "model": model,
+            "decoding": decoding,
+            "settings": self.settings,
+            "benchmarks": benchmarks,
+            "average": average,
+        }
+        results["metrics"] = flat_metrics(results)
+        write_json_atomic(self.directory / RESULTS_FILE, results)
+        write_atomic(self.directory / TABLE_FILE, markdown_table([results]))
+        return results

@@ -1,0 +1,51 @@
+"""A rollout engine whose answers are known in advance, for exact checks of the evaluation pipeline."""
+
+from __future__ import annotations
+
+from stapo_megatron.eval.runner import BenchmarkTask
+from stapo_megatron.rollout.engine import Completion, RolloutEngine, SamplingParams
+
+
+class ScriptedEngine(RolloutEngine):
+    """Sample s of a problem boxes the right answer when s < its scripted count, else gives up.
+
+    The text names the call's seed, so a resumed run that used other seeds would write other text;
+    every call is recorded as (seed, prompt count, n).
+    """
+
+    def __init__(self, tokenizer, tasks: list[BenchmarkTask], correct):
+        """``correct(benchmark, problem index) -> how many of the k samples are right``."""
+        self.tokenizer = tokenizer
+        self.script = {}
+        for task in tasks:
+            for i, (record, ids) in enumerate(zip(task.records, task.prompt_ids)):
+                self.script[tuple(ids)] = (record.answer, correct(task.name, i))
+        self.calls: list[tuple[int, int, int]] = []
+
+    def generate(self, prompts, params: SamplingParams):
+        self.calls.append((params.seed, len(prompts), params.n))
+        out = []
+        for prompt in prompts:
+            answer, correct = self.script[tuple(prompt)]
+            group = []
+            for s in range(params.n):
+                if s < correct:
+                    text, finish = f"Seed {params.seed}, sample {s}: the answer is \\boxed{{{answer}}}.", "stop"
+                else:
+                    text, finish = f"Seed {params.seed}, sample {s}: I do not know", "length"
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                group.append(Completion(list(ids), [0.0] * len(ids), finish))
+            out.append(group)
+        return out
+
+    def load_weights(self, named_tensors, version=None):
+        raise NotImplementedError("the scripted engine has no weights")
+
+    def release_memory(self):
+        pass
+
+    def resume_memory(self):
+        pass
+
+    def shutdown(self):
+        pass

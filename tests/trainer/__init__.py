@@ -1,0 +1,1 @@
+"""Tests of the trainer: end-to-end runs, exact resume, faults."""

@@ -1,0 +1,68 @@
+"""Start real training runs of the tiny configuration from tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Fast settings for tests on top of configs/tiny_cpu.yaml.
+FAST = ["logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.save_every=0"]
+
+
+def train_command(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "stapo_megatron.cli", "train", f"run.output_dir={run_dir}", *FAST, *overrides]
+
+
+def torchrun_command(config: Path, nproc: int, *overrides: str) -> list[str]:
+    """The ranks under an existing torchrun launch, as SLURM / NeMo-Run start them."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        "-m", "stapo_megatron.trainer.main", "--config", str(config), *overrides,
+    ]
+
+
+def run(command: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    if result.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} exited {result.returncode}:\n{result.stderr[-4000:]}")
+    return result
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def start_session(command: list[str]) -> subprocess.Popen:
+    """A process in a session of its own, so the whole launch can be killed at once."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def kill_when(process: subprocess.Popen, condition, timeout: float = 300, poll: float = 0.002) -> None:
+    """SIGKILL the process's whole session as soon as ``condition()`` holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None:
+            raise AssertionError(f"the run ended (exit {process.returncode}) before the kill point:\n{process.stdout.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise AssertionError("the kill point was not reached in time")
+        time.sleep(poll)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Megatron checkpoint (model and optimizer), in one process."""
+    from megatron.core.dist_checkpointing import load_plain_tensors
+
+    return {k: v for k, v in load_plain_tensors(str(directory)).items() if torch.is_tensor(v)}

@@ -1,0 +1,82 @@
+"""Config errors before any process starts; non-finite steps; empty rollout batches; Ctrl-C."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.trainer.runs import metrics, run, start_session, train_command
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("parallel.tensor_parallel=3", "parallel.tensor_parallel: 3 does not divide the 4 attention heads"),
+        ("optim.lrr=1", "optim.lrr: unknown field"),
+        ("optim.lr=-1", "optim.lr: must be > 0, got -1.0"),
+        ("batch.prompts_per_minibatch=48", "batch.prompts_per_minibatch: 48 does not divide prompts_per_step 64"),
+        ("data.source=/nonexistent/train.parquet", "data.source: /nonexistent/train.parquet does not exist"),
+        ("checkpoint.load_hf=/nonexistent/model", "checkpoint.load_hf: /nonexistent/model is not a directory"),
+        ("algo=ppo", "algo: unknown algo preset 'ppo'"),
+        ("model.vocab_size=8", "model.vocab_size: 8 is smaller than the synthetic task's tokenizer (16 tokens)"),
+    ],
+)
+def test_config_errors_are_one_line_before_any_process_group(tmp_path, override, message):
+    run_dir = tmp_path / "run"
+    result = subprocess.run(train_command(run_dir, override), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("stapo: error: ") and message in lines[0], lines
+    assert not run_dir.exists()  # nothing was started or written
+
+
+@pytest.mark.slow
+def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
+    run_dir = tmp_path / "run"
+    # A learning rate of 1e30 blows the weights up after one step: every later loss is inf/NaN.
+    command = train_command(run_dir, "run.steps=10", "optim.lr=1e30", "faults.max_skipped_steps=2")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "non-finite loss or gradient, optimizer step skipped (1 so far)" in output
+    assert "3 optimizer steps skipped for non-finite values, more than faults.max_skipped_steps=2" in output
+    rows = metrics(run_dir)
+    assert rows[0]["optim/skipped_steps"] == 0
+    assert [r["optim/skipped_steps"] for r in rows[1:]] == [1.0, 2.0][: len(rows) - 1]
+
+
+@pytest.mark.slow
+def test_a_step_whose_groups_are_all_filtered_out_makes_no_update(tmp_path):
+    run_dir = tmp_path / "run"
+    # 256 tokens: a random policy never answers right, so DAPO's dynamic sampling drops every group.
+    run(train_command(run_dir, "run.steps=2", "data.synthetic_distractors=241", "model.vocab_size=256",
+                      "algo=dapo", "algo.overlong_buffer=1", "batch.max_sampling_rounds=2"))
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["rollout/groups_kept"] == 0 and row["rollout/groups_sampled"] == 128
+        assert row["rollout/sampling_rounds"] == 2
+        assert "optim/grad_norm" not in row  # no optimizer step was taken
+    assert (run_dir / "checkpoints" / "iter_0000002" / "stapo_complete.json").is_file()
+
+
+@pytest.mark.slow
+def test_ctrl_c_writes_a_checkpoint_and_exits_cleanly(tmp_path):
+    run_dir = tmp_path / "run"
+    process = start_session(train_command(run_dir, "run.steps=10000"))
+    deadline = time.monotonic() + 300
+    while not ((run_dir / "metrics.jsonl").is_file() and len(metrics(run_dir)) >= 2):
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground `stapo train`
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output[-3000:]
+    last = metrics(run_dir)[-1]["step"]
+    assert last < 10000
+    assert (run_dir / "checkpoints" / f"iter_{last:07d}" / "stapo_complete.json").is_file()
+    assert "stop requested" in output
+    assert not (run_dir / "STOP").exists()
