@@ -10,13 +10,15 @@ from stapo_megatron.config import ConfigError
 
 def build_parser() -> argparse.ArgumentParser:
     from stapo_megatron.checkpoint import cli as convert_cli
+    from stapo_megatron.config import cli as config_cli
     from stapo_megatron.eval import cli as eval_cli
+    from stapo_megatron.launch import cli as launch_cli
     from stapo_megatron.trainer import cli as run_tools_cli
     from stapo_megatron.trainer import launcher as train_cli
 
     parser = argparse.ArgumentParser(prog="stapo", description="STAPO reinforcement learning of Qwen3 on Megatron-Core")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for module in (train_cli, convert_cli, run_tools_cli, eval_cli):
+    for module in (train_cli, convert_cli, eval_cli, run_tools_cli, config_cli, launch_cli):
         module.register(subparsers)
     return parser
 

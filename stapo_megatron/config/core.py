@@ -85,6 +85,12 @@ def _expand_preset(cls: type, value: Any, where: str) -> Any:
 
 
 def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(map(str, typing.get_args(tp)))
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (list, tuple, dict):
+        return str(tp).replace("typing.", "")
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 

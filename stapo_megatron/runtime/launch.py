@@ -11,6 +11,24 @@ import torch.multiprocessing as mp
 from stapo_megatron.config import ConfigError
 
 
+def kill_tree(pid: int, timeout: float = 30.0) -> None:
+    """SIGKILL a process and every descendant. torchrun starts each rank in a session of its own,
+    so killing torchrun's process group would leave the ranks running."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    processes = [root, *root.children(recursive=True)]
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(processes, timeout=timeout)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

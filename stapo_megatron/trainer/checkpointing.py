@@ -70,12 +70,8 @@ class Checkpointer:
         return sorted(steps)
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint (``latest.txt`` if it names one, else a scan)."""
-        pointer = self.root / LATEST_FILE
-        if pointer.is_file():
-            candidate = self.root / pointer.read_text().strip()
-            if (candidate / COMPLETE_MARKER).is_file():
-                return candidate
+        """The newest complete checkpoint. Found by a scan: ``latest.txt`` (for people and tools)
+        is written after the rename, so a kill in between leaves it one checkpoint behind."""
         steps = self.complete_steps()
         return self.root / self.name(steps[-1]) if steps else None
 

@@ -9,7 +9,6 @@ Ctrl-C stops them at once).
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from importlib import resources
@@ -18,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from stapo_megatron.config import load_config, to_dict
+from stapo_megatron.runtime.launch import kill_tree
 from stapo_megatron.trainer.config import TrainConfig
 from stapo_megatron.trainer.validation import check_train_config
 
@@ -77,7 +77,7 @@ def launch(cfg: TrainConfig, resolved: Path) -> int:
                 print("\n[stapo] stopping after the current step (checkpoint follows); Ctrl-C again to kill", file=sys.stderr)
                 stop_file.touch()
             else:
-                os.killpg(process.pid, signal.SIGKILL)
+                kill_tree(process.pid)
 
 
 def run_train(args) -> None:

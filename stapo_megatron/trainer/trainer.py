@@ -78,6 +78,9 @@ class Trainer:
         self.inspector = SpuriousTokenDump(self.run_dir, self.tokenizer, cfg.logging.inspect_context_tokens)
         self.collector = self.logger = self.evaluator = None
         if self.rank == 0:
+            from stapo_megatron.trainer.launcher import write_resolved_config
+
+            write_resolved_config(cfg)  # also when started by an outside torchrun / SLURM launch
             self._setup_rollout_rank(progress)
         self._install_signal_handlers()
 

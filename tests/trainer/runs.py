@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -48,21 +47,35 @@ def start_session(command: list[str]) -> subprocess.Popen:
 
 
 def kill_when(process: subprocess.Popen, condition, timeout: float = 300, poll: float = 0.002) -> None:
-    """SIGKILL the process's whole session as soon as ``condition()`` holds."""
+    """SIGKILL the process and all its descendants (torchrun's ranks) as soon as ``condition()`` holds."""
+    from stapo_megatron.runtime.launch import kill_tree
+
     deadline = time.monotonic() + timeout
     while not condition():
         if process.poll() is not None:
             raise AssertionError(f"the run ended (exit {process.returncode}) before the kill point:\n{process.stdout.read()[-3000:]}")
         if time.monotonic() > deadline:
-            os.killpg(process.pid, signal.SIGKILL)
+            kill_tree(process.pid)
             raise AssertionError("the kill point was not reached in time")
         time.sleep(poll)
-    os.killpg(process.pid, signal.SIGKILL)
+    kill_tree(process.pid)
     process.wait()
 
 
-def checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a Megatron checkpoint (model and optimizer), in one process."""
+def _save_plain_tensors(directory: str, out_file: str) -> None:
+    import torch.distributed as dist
     from megatron.core.dist_checkpointing import load_plain_tensors
 
-    return {k: v for k, v in load_plain_tensors(str(directory)).items() if torch.is_tensor(v)}
+    dist.init_process_group("gloo")
+    torch.save({k: v for k, v in load_plain_tensors(directory).items() if torch.is_tensor(v)}, out_file)
+
+
+def checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Megatron checkpoint (model and optimizer), read by one fresh process."""
+    from stapo_megatron.runtime.launch import spawn_ranks
+
+    out_file = directory.parent / f"{directory.name}.tensors.pt"
+    spawn_ranks(_save_plain_tensors, 1, str(directory), str(out_file))
+    tensors = torch.load(out_file, weights_only=True)
+    out_file.unlink()
+    return tensors

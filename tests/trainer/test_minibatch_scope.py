@@ -17,21 +17,13 @@ def silenced(run_dir) -> set[tuple[int, int, int]]:
     return {(r["sequence"], r["position"], r["token_id"]) for r in rows}
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A tiny policy after 30 steps: sharp enough that correct responses contain rare tokens."""
-    run_dir = tmp_path_factory.mktemp("warmup") / "run"
-    run(train_command(run_dir, "run.steps=30"))
-    return run_dir / "checkpoints" / "iter_0000030"
-
-
 @pytest.mark.slow
-def test_silenced_tokens_do_not_depend_on_micro_batching_or_data_parallelism(trained, tmp_path):
-    common = ["run.steps=1", f"checkpoint.load_megatron={trained}", "logging.inspect_every=1", "algo.tau_p=0.05"]
+def test_silenced_tokens_do_not_depend_on_micro_batching_or_data_parallelism(trained_tiny, tmp_path):
+    common = ["run.steps=1", f"checkpoint.load_megatron={trained_tiny}", "logging.inspect_every=1", "algo.tau_p=0.05"]
     one = tmp_path / "one_microbatch"
-    run(train_command(one, *common, "batch.micro_batch_size=512"))
+    run(train_command(one, *common, "batch.micro_batch_size=1024"))
     split = tmp_path / "dp2_two_microbatches_each"
-    run(train_command(split, *common, "parallel.tensor_parallel=1", "parallel.data_parallel=2", "batch.micro_batch_size=128"))
+    run(train_command(split, *common, "parallel.tensor_parallel=1", "parallel.data_parallel=2", "batch.micro_batch_size=256"))
     a, b = silenced(one), silenced(split)
     assert len(a) >= 3, "the check needs silenced tokens"
     assert a == b
