@@ -82,7 +82,7 @@ class ComputeConfig:
         "none", "Activation recomputation: none, selective (attention core) or full (every layer)."
     )
     logits_chunk_size: int = option(
-        1024, "Tokens per chunk when computing log-probs and entropies from the vocabulary-parallel logits."
+        256, "Tokens per chunk when computing log-probs and entropies from the vocabulary-parallel logits."
     )
 
     def __post_init__(self):

@@ -1,0 +1,62 @@
+"""The RL loss: token statistics under TP, token rules (S2T, 20-Entropy), the clipped objective, advantages.
+
+- :mod:`.logprob_entropy`: log-prob and entropy from vocabulary-parallel logits (custom autograd, chunked);
+- :mod:`.quantile`: exact quantile thresholds over values spread across ranks;
+- :mod:`.token_rules`: per-token statistics -> keep weights, and the registry of rules;
+- :mod:`.selection`: the mini-batch and micro-batch scopes of a rule's threshold;
+- :mod:`.policy`: the clipped surrogate with clip-higher, KL and entropy terms, aggregation;
+- :mod:`.metrics`: reduction of the loss metrics over micro-batches and ranks;
+- :mod:`.advantages`: group advantages, dynamic sampling, overlong shaping;
+- :mod:`.config`: :class:`AlgoConfig` (presets in ``configs/algo``).
+"""
+
+from stapo_megatron.loss.advantages import dynamic_sampling_filter, group_advantages, overlong_penalty
+from stapo_megatron.loss.config import AlgoConfig
+from stapo_megatron.loss.logprob_entropy import DEFAULT_CHUNK_SIZE, vocab_parallel_logprob_entropy
+from stapo_megatron.loss.metrics import all_reduce_metrics, reduce_metrics
+from stapo_megatron.loss.policy import k3, policy_loss
+from stapo_megatron.loss.quantile import gather_values, quantile_threshold
+from stapo_megatron.loss.selection import Selection, minibatch_threshold, needs_statistics_pass, select_tokens
+from stapo_megatron.loss.token_rules import (
+    TOKEN_RULES,
+    HighEntropyRule,
+    S2TRule,
+    TokenRule,
+    TokenStats,
+    get_token_rule,
+    high_entropy_mask,
+    register_token_rule,
+    s2t_candidates,
+    s2t_mask,
+    s2t_threshold,
+)
+
+__all__ = [
+    "AlgoConfig",
+    "DEFAULT_CHUNK_SIZE",
+    "HighEntropyRule",
+    "S2TRule",
+    "Selection",
+    "TOKEN_RULES",
+    "TokenRule",
+    "TokenStats",
+    "all_reduce_metrics",
+    "dynamic_sampling_filter",
+    "gather_values",
+    "get_token_rule",
+    "group_advantages",
+    "high_entropy_mask",
+    "k3",
+    "minibatch_threshold",
+    "needs_statistics_pass",
+    "overlong_penalty",
+    "policy_loss",
+    "quantile_threshold",
+    "reduce_metrics",
+    "register_token_rule",
+    "s2t_candidates",
+    "s2t_mask",
+    "s2t_threshold",
+    "select_tokens",
+    "vocab_parallel_logprob_entropy",
+]

@@ -1,0 +1,68 @@
+"""Group-relative advantages, DAPO's dynamic-sampling filter and overlong reward shaping.
+
+Rewards are laid out group by group: responses [g*G, (g+1)*G) answer prompt g.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+SCALES = ("std", "none")
+
+
+def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards: expected one reward per response (1-D), got shape {tuple(rewards.shape)}")
+    if group_size < 2:
+        raise ValueError(f"group_size: must be >= 2 for group-relative advantages, got {group_size}")
+    if rewards.numel() % group_size:
+        raise ValueError(f"rewards: {rewards.numel()} responses are not whole groups of {group_size}")
+    return rewards.to(torch.float32).view(-1, group_size)
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, scale: Optional[str] = "std", eps: float = 1e-6
+) -> torch.Tensor:
+    """One advantage per response: (r - mean) / (std + eps) (GRPO) or r - mean (``scale=None`` or
+    ``"none"``: Dr. GRPO), mean and std over the response's group.
+
+    std is the sample standard deviation (Bessel-corrected, ``torch.std``'s default), as verl's
+    ``compute_grpo_outcome_advantage``; for G = 8 it is sqrt(8/7) times the population std.
+    A group whose rewards are all equal gets 0 for every response. The trainer repeats the value
+    over the response's tokens (``token_rules.broadcast_advantages`` does it for the loss).
+    """
+    if scale not in (None, *SCALES):
+        raise ValueError(f"scale: {scale!r} is not one of std, none")
+    groups = _groups(rewards, group_size)
+    centered = groups - groups.mean(dim=1, keepdim=True)
+    if scale == "std":
+        centered = centered / (groups.std(dim=1, keepdim=True) + eps)
+    return centered.reshape(-1)
+
+
+def dynamic_sampling_filter(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Indices (int64, ascending) of the groups whose rewards are not all equal (DAPO's dynamic
+    sampling keeps these and samples more prompts for the rest). Pass correctness rewards: with
+    overlong shaping added, equal-accuracy groups could differ by length penalties alone."""
+    groups = _groups(rewards, group_size)
+    mixed = (groups != groups[:, :1]).any(dim=1)
+    return mixed.nonzero().squeeze(-1)
+
+
+def overlong_penalty(
+    lengths: torch.Tensor, max_length: int, buffer: int, penalty_factor: float = 1.0
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment, added to the reward (<= 0), per response length:
+
+        0                                       if L <= max_length - buffer
+        -penalty_factor (L - (max_length - buffer)) / buffer   if max_length - buffer < L <= max_length
+        -penalty_factor                         if L > max_length
+    """
+    if buffer < 1 or buffer > max_length:
+        raise ValueError(f"buffer: must be in [1, max_length={max_length}], got {buffer}")
+    if lengths.is_floating_point():
+        raise ValueError(f"lengths: expected integer token counts, got {lengths.dtype}")
+    over = (lengths - (max_length - buffer)).to(torch.float32).clamp(min=0, max=buffer)
+    return -penalty_factor * over / buffer

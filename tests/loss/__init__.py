@@ -1,0 +1,1 @@
+"""Tests of stapo_megatron.loss."""

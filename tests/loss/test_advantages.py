@@ -1,0 +1,54 @@
+"""Group advantages, dynamic sampling and overlong shaping."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from stapo_megatron.loss import dynamic_sampling_filter, group_advantages, overlong_penalty
+
+
+def test_grpo_advantages_use_the_sample_std():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    adv = group_advantages(rewards, group_size=4)
+    # group 0: mean 0.25, sample std sqrt((0.75^2 + 3 * 0.25^2) / 3) = 0.5
+    expected = torch.tensor([0.75, -0.25, -0.25, -0.25]) / (0.5 + 1e-6)
+    torch.testing.assert_close(adv[:4], expected)
+    assert torch.equal(adv[4:], torch.zeros(4))  # all-equal group: no signal
+    # the same as torch.std (unbiased) per group, as verl's compute_grpo_outcome_advantage
+    g = rewards.view(2, 4)
+    torch.testing.assert_close(adv, ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-6)).view(-1))
+
+
+def test_dr_grpo_and_errors():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    assert group_advantages(rewards, 2, scale=None).tolist() == [0.5, -0.5, 0.0, 0.0]
+    assert group_advantages(rewards, 2, scale="none").tolist() == [0.5, -0.5, 0.0, 0.0]
+    with pytest.raises(ValueError, match="^rewards: 4 responses are not whole groups of 3"):
+        group_advantages(rewards, 3)
+    with pytest.raises(ValueError, match="^group_size: must be >= 2"):
+        group_advantages(rewards, 1)
+    with pytest.raises(ValueError, match="^scale:"):
+        group_advantages(rewards, 2, scale="max")
+    with pytest.raises(ValueError, match="^rewards: expected one reward per response"):
+        group_advantages(rewards.view(2, 2), 2)
+
+
+def test_dynamic_sampling_keeps_mixed_groups():
+    rewards = torch.tensor([1, 1, 1, 0, 1, 0, 0, 1, 1, 1, 1, 1], dtype=torch.float32)
+    assert dynamic_sampling_filter(rewards, 3).tolist() == [1, 2]
+    assert dynamic_sampling_filter(torch.zeros(6), 3).tolist() == []
+
+
+def test_overlong_penalty_ramp():
+    lengths = torch.tensor([0, 100, 120, 150, 200, 201, 500])
+    penalty = overlong_penalty(lengths, max_length=200, buffer=80, penalty_factor=1.0)
+    expected = [0.0, 0.0, 0.0, -30 / 80, -1.0, -1.0, -1.0]
+    assert all(math.isclose(p, e, abs_tol=1e-7) for p, e in zip(penalty.tolist(), expected))
+    assert overlong_penalty(lengths, 200, 80, penalty_factor=0.5)[4] == -0.5
+    with pytest.raises(ValueError, match="^buffer: must be in"):
+        overlong_penalty(lengths, 200, 0)
+    with pytest.raises(ValueError, match="^lengths: expected integer"):
+        overlong_penalty(lengths.float(), 200, 80)

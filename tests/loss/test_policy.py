@@ -1,0 +1,120 @@
+"""The clipped surrogate, its aggregation, KL and entropy terms, and its metrics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from stapo_megatron.loss import all_reduce_metrics, k3, policy_loss, reduce_metrics
+
+
+def _case():
+    # one sequence, five tokens: ratios 1.5 (A>0: clipped high), 0.5 (A<0: clipped low),
+    # 1.1 (A>0: inside), 0.9 (A<0: inside), and a silenced token
+    old = torch.zeros(1, 5, dtype=torch.float64)
+    ratios = torch.tensor([[1.5, 0.5, 1.1, 0.9, 3.0]], dtype=torch.float64)
+    logprob = ratios.log().requires_grad_()
+    adv = torch.tensor([[2.0, -1.0, 2.0, -1.0, 2.0]], dtype=torch.float64)
+    keep = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    return logprob, old, adv, keep
+
+
+def test_clip_higher_values_and_gradients():
+    logprob, old, adv, keep = _case()
+    loss_sum, n, metrics = policy_loss(logprob, old, adv, keep, eps_low=0.2, eps_high=0.28, response_mask=torch.ones(1, 5))
+    # per token: -min(rA, clip(r)A)
+    expected = [-(1.28 * 2.0), -(0.8 * -1.0), -(1.1 * 2.0), -(0.9 * -1.0)]
+    assert math.isclose(loss_sum.item(), sum(expected), rel_tol=1e-6)
+    assert n.dtype == torch.int32 and int(n) == 4
+    loss_sum.backward()
+    g = logprob.grad[0].tolist()
+    # clipped tokens and the silenced one get no gradient; d(-rA)/dlogp = -rA inside the range
+    assert g[0] == 0.0 and g[1] == 0.0 and g[4] == 0.0
+    assert math.isclose(g[2], -1.1 * 2.0, rel_tol=1e-6) and math.isclose(g[3], 0.9, rel_tol=1e-6)
+    assert int(metrics["clip_high_tokens"]) == 1 and int(metrics["clip_low_tokens"]) == 1
+    assert int(metrics["kept_tokens"]) == 4 and int(metrics["silenced_tokens"]) == 1
+    assert int(metrics["response_tokens"]) == 5
+    assert math.isclose(float(metrics["ratio_sum"]), 1.5 + 0.5 + 1.1 + 0.9, rel_tol=1e-6)
+    assert math.isclose(float(metrics["ratio_max"]), 1.5, rel_tol=1e-6)
+    assert math.isclose(float(metrics["ratio_min"]), 0.5, rel_tol=1e-6)
+    kl = sum(r - 1 - math.log(r) for r in (1.5, 0.5, 1.1, 0.9))  # k3 at the old policy's samples
+    assert math.isclose(float(metrics["approx_kl_sum"]), kl, rel_tol=1e-6)
+    assert math.isclose(float(metrics["pg_loss_sum"]), loss_sum.item(), rel_tol=1e-6)
+    assert all(v.dtype == torch.float64 and v.dim() == 0 for v in metrics.values())
+
+
+def test_padding_garbage_never_reaches_loss_or_gradient():
+    logprob = torch.tensor([[-1.0, float("nan"), 50.0, -float("inf")]], requires_grad=True)
+    old = torch.tensor([[-1.2, 0.0, -50.0, 0.0]])
+    keep = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    loss_sum, n, metrics = policy_loss(logprob, old, torch.tensor([1.0]), keep, response_mask=torch.tensor([[1, 1, 1, 0]]))
+    loss_sum.backward()
+    assert torch.isfinite(loss_sum) and torch.isfinite(logprob.grad).all()
+    assert logprob.grad[0, 1:].abs().sum() == 0
+    assert int(metrics["silenced_tokens"]) == 2 and int(metrics["response_tokens"]) == 3
+    assert all(torch.isfinite(v) for k, v in metrics.items() if k not in ("ratio_max", "ratio_min"))
+
+
+def test_seq_mean_token_mean():
+    logprob = torch.zeros(3, 4, requires_grad=True)  # ratio 1: loss per token = -A
+    adv = torch.tensor([1.0, 2.0, 3.0])
+    keep = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.float32)
+    loss_sum, n, metrics = policy_loss(logprob, torch.zeros(3, 4), adv, keep, aggregation="seq_mean_token_mean")
+    assert math.isclose(loss_sum.item(), -1.0 - 2.0)  # sequence means; the empty one is not counted
+    assert int(n) == 2 and int(metrics["sequences"]) == 2
+    loss_sum.backward()
+    assert torch.allclose(logprob.grad[0], torch.tensor([-0.5, -0.5, 0, 0]))
+    assert torch.allclose(logprob.grad[1], torch.full((4,), -0.5))
+    token_sum, token_n, _ = policy_loss(logprob, torch.zeros(3, 4), adv, keep)
+    assert int(token_n) == 6 and math.isclose(token_sum.item(), -(2 * 1.0 + 4 * 2.0))
+    with pytest.raises(ValueError, match="^logprob: seq_mean_token_mean needs"):
+        policy_loss(logprob.view(-1), torch.zeros(12), torch.ones(12), keep.view(-1), aggregation="seq_mean_token_mean")
+
+
+def test_kl_and_entropy_terms():
+    logprob = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0]])
+    entropy = torch.tensor([[0.3, 0.7]], requires_grad=True)
+    keep = torch.ones(1, 2)
+    base, _, _ = policy_loss(logprob, logprob.detach(), torch.tensor([1.0]), keep)
+    total, _, metrics = policy_loss(
+        logprob, logprob.detach(), torch.tensor([1.0]), keep,
+        ref_logprob=ref, kl_coef=0.1, entropy=entropy, entropy_coef=0.01,
+    )
+    kl = k3(ref - logprob.detach())
+    assert torch.all(kl >= 0)
+    expected = base.item() + 0.1 * float(kl.sum()) - 0.01 * 1.0
+    assert math.isclose(total.item(), expected, rel_tol=1e-6)
+    assert math.isclose(float(metrics["ref_kl_sum"]), float(kl.sum()), rel_tol=1e-6)
+    assert math.isclose(float(metrics["entropy_kept_sum"]), 1.0, rel_tol=1e-6)
+    total.backward()
+    assert torch.allclose(entropy.grad, torch.full((1, 2), -0.01))
+    # d/dlogp [0.1 * (exp(ref - lp) - (ref - lp) - 1)] = 0.1 * (1 - exp(ref - lp)); pg part: -A r = -1
+    expected_grad = -1.0 + 0.1 * (1 - torch.exp(ref - logprob.detach()))
+    assert torch.allclose(logprob.grad, expected_grad)
+    with pytest.raises(ValueError, match="^ref_logprob: needed"):
+        policy_loss(logprob, logprob.detach(), torch.tensor([1.0]), keep, kl_coef=0.1)
+    with pytest.raises(ValueError, match="^entropy: needed"):
+        policy_loss(logprob, logprob.detach(), torch.tensor([1.0]), keep, entropy_coef=0.1)
+    with pytest.raises(ValueError, match=r"^old_logprob: shape \(1, 3\)"):
+        policy_loss(logprob, torch.zeros(1, 3), torch.tensor([1.0]), keep)
+    with pytest.raises(ValueError, match="^aggregation:"):
+        policy_loss(logprob, logprob.detach(), torch.tensor([1.0]), keep, aggregation="mean")
+
+
+def test_metrics_reduce_over_micro_batches():
+    logprob, old, adv, keep = _case()
+    cand = torch.tensor([[True, False, False, False, True]])
+    real = torch.ones(1, 5)
+    a = policy_loss(logprob, old, adv, keep, response_mask=real, candidates=cand, tau_h=torch.tensor(0.3), entropy=torch.rand(1, 5))[2]
+    b = policy_loss(logprob * 0.5, old, adv, keep, response_mask=real, candidates=cand, tau_h=torch.tensor(float("inf")), entropy=torch.rand(1, 5))[2]
+    total = reduce_metrics([a, b])
+    assert int(total["kept_tokens"]) == 8 and int(total["candidate_tokens"]) == 4
+    assert int(total["silenced_candidate_tokens"]) == 2
+    assert float(total["ratio_max"]) == max(float(a["ratio_max"]), float(b["ratio_max"]))
+    assert float(total["ratio_min"]) == min(float(a["ratio_min"]), float(b["ratio_min"]))
+    # an infinite tau_h (no candidates anywhere) does not enter the mean threshold
+    assert float(total["tau_h_count"]) == 1 and math.isclose(float(total["tau_h_sum"]), 0.3, rel_tol=1e-6)
+    assert all_reduce_metrics(total, None) == total
