@@ -143,3 +143,13 @@ def default_stop_token_ids(tokenizer: Any, chat_template: bool) -> list[int]:
         if isinstance(end_of_turn, int) and end_of_turn != getattr(tokenizer, "unk_token_id", None):
             ids.add(end_of_turn)
     return sorted(i for i in ids if i is not None)
+
+
+def response_text(tokenizer: Any, token_ids: Sequence[int], finish_reason: str) -> str:
+    """The text a response is scored on: its stop token removed, every other token kept as is.
+
+    Special tokens inside a response stay in the text (skipping them would let a policy pad a
+    right answer with them and still be scored right).
+    """
+    ids = list(token_ids[:-1]) if finish_reason == "stop" and token_ids else list(token_ids)
+    return tokenizer.decode(ids, skip_special_tokens=False)

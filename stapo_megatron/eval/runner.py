@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 from stapo_megatron.config import ConfigError
 from stapo_megatron.data.benchmarks import load_benchmark
-from stapo_megatron.data.prompts import PromptEncoder
+from stapo_megatron.data.prompts import PromptEncoder, response_text
 from stapo_megatron.data.records import DataError, PromptRecord
 from stapo_megatron.eval.config import EvalConfig
 from stapo_megatron.eval.metrics import avg_at_k, mean_pass_at, pass_levels
@@ -246,7 +246,7 @@ class EvalRun:
                     if len(completions) != len(group) or any(len(c) != task.k for c in completions):
                         raise RuntimeError(f"{task.name}: the engine returned the wrong number of completions")
                     chosen = [(i, sample, completions[i - group.start][sample]) for i, sample in missing]
-                    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, _, c in chosen]
+                    texts = [response_text(tokenizer, c.token_ids, c.finish_reason) for _, _, c in chosen]
                     if pool is None:
                         pool = RewardPool.from_config(reward_cfg)
                     scores = pool.score(texts, [task.records[i].answer for i, _, _ in chosen])

@@ -166,6 +166,11 @@ class RolloutConfig:
     engine: Literal["local", "sglang"] = option(
         "local", "Rollout engine: local (in-process, for small models and tests) or sglang (SGLang servers)."
     )
+    release_memory_between_steps: bool = option(
+        False,
+        "Free the engine's accelerator memory after each step's rollouts and take it back before the weight "
+        "sync, so training can use it (for SGLang colocated with the trainer; needs --enable-memory-saver).",
+    )
     local: LocalEngineConfig = option(doc="Local engine settings (used when engine is local).", factory=LocalEngineConfig)
     sglang: SGLangConfig = option(doc="SGLang engine settings (used when engine is sglang).", factory=SGLangConfig)
 

@@ -9,6 +9,7 @@ Ctrl-C stops them at once).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from importlib import resources
@@ -58,7 +59,8 @@ def run_rank(cfg: TrainConfig) -> None:
 
 
 def launch(cfg: TrainConfig, resolved: Path) -> int:
-    """Start torchrun for ``cfg``'s world size and wait; Ctrl-C asks for a clean stop."""
+    """Start torchrun for ``cfg``'s world size and wait. The first Ctrl-C (or SIGTERM) asks the
+    ranks to stop after the current step and checkpoint; the second kills them."""
     world = cfg.parallel.world_size
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
@@ -67,17 +69,23 @@ def launch(cfg: TrainConfig, resolved: Path) -> int:
     env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     process = subprocess.Popen(command, env=env, start_new_session=True)
     stop_file = cfg.run.directory / "STOP"
-    interrupts = 0
-    while True:
-        try:
-            return process.wait()
-        except KeyboardInterrupt:
-            interrupts += 1
-            if interrupts == 1:
-                print("\n[stapo] stopping after the current step (checkpoint follows); Ctrl-C again to kill", file=sys.stderr)
-                stop_file.touch()
-            else:
-                kill_tree(process.pid)
+    signals = []
+
+    def on_signal(signum, frame):
+        signals.append(signum)
+        if len(signals) == 1:
+            print("\n[stapo] stopping after the current step (checkpoint follows); Ctrl-C again to kill", file=sys.stderr, flush=True)
+            stop_file.touch()
+        else:
+            kill_tree(process.pid)
+
+    # Set explicitly: a shell that starts this in the background would otherwise leave SIGINT ignored.
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return process.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run_train(args) -> None:

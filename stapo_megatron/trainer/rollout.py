@@ -11,6 +11,7 @@ import hashlib
 
 import torch
 
+from stapo_megatron.data.prompts import response_text
 from stapo_megatron.loss import dynamic_sampling_filter, group_advantages, overlong_penalty
 from stapo_megatron.rewards import REASONS, summarize_reasons
 from stapo_megatron.rollout.engine import SamplingParams
@@ -64,7 +65,7 @@ class RolloutCollector:
             rounds += 1
             flat = [(p, c) for p, group in zip(prompts, completions) for c in group]
             with timer("reward"):
-                texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in flat]
+                texts = [response_text(self.tokenizer, c.token_ids, c.finish_reason) for _, c in flat]
                 results = self.reward_pool.score(texts, [p.record.answer for p, _ in flat])
             for reason, count in summarize_reasons(results).items():
                 reasons[reason] += count

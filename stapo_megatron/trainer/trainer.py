@@ -57,6 +57,7 @@ class Trainer:
         self.params_dtype = getattr(torch, cfg.compute.params_dtype)
         self.tokenizer = build_tokenizer(cfg)
         self.stop_requested = False
+        self.engine_released = False  # rank 0: the engine gave its memory to training
         self.skipped_steps = 0
         self.optimizer_steps = 0
 
@@ -228,6 +229,9 @@ class Trainer:
         batch, metrics = (None, {})
         if self.rank == 0:
             batch, metrics = self.collector.collect(step, timer)
+            if self.cfg.rollout.release_memory_between_steps:
+                self.collector.engine.release_memory()
+                self.engine_released = True
         with timer("broadcast"):
             return RolloutBatch.broadcast(batch), metrics
 
@@ -314,6 +318,9 @@ class Trainer:
             return
         stream = export_hf_tensors(self.model, self.arch, destination="first_rank")
         if self.rank == 0:
+            if self.engine_released:
+                self.collector.engine.resume_memory()
+                self.engine_released = False
             self.collector.engine.load_weights(stream, version=version)
         else:
             for _ in stream:

@@ -28,8 +28,16 @@ def torchrun_command(config: Path, nproc: int, *overrides: str) -> list[str]:
 
 
 def run(command: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run to completion; on a timeout or failure of the test, nothing of the launch stays alive."""
+    from stapo_megatron.runtime.launch import kill_tree
+
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        kill_tree(process.pid)
+    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     if result.returncode != 0:
         raise AssertionError(f"{' '.join(command)} exited {result.returncode}:\n{result.stderr[-4000:]}")
     return result

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from stapo_megatron.runtime.launch import kill_tree
 from tests.trainer.runs import metrics, run, start_session, train_command
 
 
@@ -68,12 +69,15 @@ def test_a_step_whose_groups_are_all_filtered_out_makes_no_update(tmp_path):
 def test_ctrl_c_writes_a_checkpoint_and_exits_cleanly(tmp_path):
     run_dir = tmp_path / "run"
     process = start_session(train_command(run_dir, "run.steps=10000"))
-    deadline = time.monotonic() + 300
-    while not ((run_dir / "metrics.jsonl").is_file() and len(metrics(run_dir)) >= 2):
-        assert process.poll() is None and time.monotonic() < deadline
-        time.sleep(0.2)
-    process.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground `stapo train`
-    output, _ = process.communicate(timeout=300)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((run_dir / "metrics.jsonl").is_file() and len(metrics(run_dir)) >= 2):
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        process.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground `stapo train`
+        output, _ = process.communicate(timeout=300)
+    finally:
+        kill_tree(process.pid)  # nothing is left running if the test fails
     assert process.returncode == 0, output[-3000:]
     last = metrics(run_dir)[-1]["step"]
     assert last < 10000

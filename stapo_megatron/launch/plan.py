@@ -1,0 +1,575 @@
+"""``stapo plan``: per-GPU memory of a training layout, and the (TP, PP, DP) layouts that fit.
+
+Symbols: h hidden size, f SwiGLU width, a query heads, q = a x head_dim, k = kv_heads x head_dim,
+L layers, V vocabulary (Vp: padded to a multiple of 128 x t), t/p/D tensor/pipeline/data
+parallel sizes, s tokens per sequence (prompt + response), b sequences per micro-batch, e bytes
+per parameter (2 bf16, 4 fp32), m micro-batches per optimizer step on one DP rank.
+
+Parameters of pipeline stage r (every tensor-parallel rank holds the same count):
+
+    per layer   2h + 2 head_dim + (h q + (q + 2k) h + 3 h f) / t
+    N_r         (L/p) x per layer  [+ Vp h / t embedding, first stage]
+                                   [+ h final norm + Vp h / t output layer, last stage; the
+                                      output layer exists unless embeddings are tied and p = 1]
+
+Static bytes (Megatron DDP with an fp32 gradient buffer, as the trainer builds it):
+
+    weights     e x N_buf        N_buf = N_r plus Megatron's buffer alignment: with the distributed
+    gradients   4 x N_buf                optimizer each parameter starts at a multiple of 64
+                                         elements and each bucket ends at a multiple of lcm(D, 128)
+    optimizer   (8 + 4 [e < 4]) x N_shard   Adam's two fp32 moments plus an fp32 master copy of
+                                         16-bit weights; N_shard = this DP rank's slice of each
+                                         bucket (about N_r / D), or N_r without the distributed
+                                         optimizer
+    Megatron's local spec (no Transformer Engine) builds the RMSNorm weights in fp32 whatever e
+    is: they form a second, fp32 buffer (4 bytes each, no master copy).
+
+Activations: bytes one layer keeps for backward, per token, A (multiply by s b per micro-batch):
+
+    kernels "te" (Transformer Engine: fused norm + linear, flash attention, fused SwiGLU; GPUs)
+        none, selective   4 e h + e (3q + 3k + 3f) / t
+    kernels "local" (Megatron's local spec: torch RMSNorm with fp32 statistics, unfused attention
+    that keeps the softmax, unfused SwiGLU; the coefficients are what these kernels keep, counted
+    on CPU)
+        none              (16 + 2e) h + ((8 + 5e) q + 12 k + 5e f + (4 + e [e < 4]) a s) / t
+        selective         (16 + 2e) h + ((8 + 3e) q + (12 + e) k + 5e f) / t
+    full (either)         e h, the layer's input: the layer runs again in backward
+
+Stage r has min(p - r, m) micro-batches in flight (1F1B) and keeps
+    kept = min(p - r, m) x (L/p) x A x s b   [+ the final norm's input and output, last stage]
+On top of that, one at a time (the loss's backward ends before the first layer's begins):
+    work     one layer's backward working set: te 2e f s b / t (SwiGLU input gradient); local
+             4 a s^2 b / t (softmax gradient), plus with selective the recomputed attention core
+             ((4 + e [e < 4]) a s + 3e q per token, / t); with full, plus one whole layer (A of none)
+    logits   last stage, the loss: the vocabulary-parallel logits and their gradient, 2 e s b Vp / t
+             (Megatron also makes a transposed copy of the same size in forward), plus the fp32 chunk
+             buffers of stapo_megatron/loss/logprob_entropy.py: 2 x 4 c V/t in forward, 4 c V/t in
+             backward for 16-bit logits (+1 with an entropy bonus), c = compute.logits_chunk_size;
+             without Transformer Engine also the output layer's weight gradient, e Vp h / t
+    activations = kept + max(work, logits)
+
+Per GPU:  total = weights + gradients + optimizer + activations  (of the worst stage)
+                  + SGLang's share (colocate fraction x GPU memory, which colocated servers hold
+                    while the trainer runs) + a fixed reserve (CUDA context, NCCL buffers,
+                    allocator fragmentation).
+          When the servers free their share between rollouts (--sglang-released), activations
+          and servers take turns: weights + gradients + optimizer + max(activations, share)
+          + reserve.
+Sizes are GiB (2^30 bytes); "80 GB" GPUs such as the H100 have 79.6 GiB usable, within the
+reserve. Checked against models built on the meta device (parameter counts per stage, exact)
+and against the peak memory of forward + backward of small models on CPU (tests/launch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Iterable
+from typing import Literal
+
+from stapo_megatron.config import ConfigError, build
+from stapo_megatron.models.qwen3.config import Qwen3Config
+
+GIB = 1 << 30
+# Megatron pads the vocabulary to a multiple of this times the tensor-parallel size
+# (stapo_megatron.models.qwen3.model.VOCAB_DIVISIBLE_BY; repeated to keep this module torch-free).
+VOCAB_DIVISIBLE_BY = 128
+# Megatron's param/grad buffer alignment with the distributed optimizer (param_and_grad_buffer.py).
+PARAM_ALIGN = 64
+BUCKET_ALIGN = 128
+
+Recompute = Literal["none", "selective", "full"]
+Kernels = Literal["te", "local"]
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    multiple = VOCAB_DIVISIBLE_BY * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    seq_len: int
+    micro_batch: int = 1
+    sequences_per_minibatch: int = 512  # the paper: 64 prompts x G = 8
+    recompute: Recompute = "none"
+    kernels: Kernels = "te"
+    params_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    distributed_optimizer: bool = True
+    logits_chunk: int = 1024
+    entropy_grad: bool = False
+
+    @property
+    def param_bytes(self) -> int:
+        return 2 if self.params_dtype == "bfloat16" else 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    name: str
+    numel: int
+    shared_embedding: bool = False
+
+
+def check_layout_fits_model(arch: Qwen3Config, tp: int, pp: int) -> str | None:
+    """Why Megatron cannot build ``arch`` at this TP/PP (None: it can)."""
+    if arch.num_attention_heads % tp:
+        return f"TP {tp} does not divide the {arch.num_attention_heads} attention heads"
+    if arch.num_key_value_heads % tp:
+        return f"TP {tp} does not divide the {arch.num_key_value_heads} key/value heads"
+    if arch.num_hidden_layers % pp:
+        return f"PP {pp} does not divide the {arch.num_hidden_layers} layers"
+    return None
+
+
+def stage_parameters(arch: Qwen3Config, tp: int, pp: int, stage: int) -> list[Param]:
+    """This stage's parameters (one tensor-parallel rank), named and ordered as Megatron's
+    local-spec GPTModel registers them (the order decides the buffer padding)."""
+    h, f, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    q = arch.num_attention_heads * d
+    k = arch.num_key_value_heads * d
+    vp = padded_vocab(arch.vocab_size, tp)
+    first, last = stage == 0, stage == pp - 1
+    tied = arch.tie_word_embeddings
+    params = []
+    if first:
+        params.append(Param("embedding.word_embeddings.weight", vp // tp * h, shared_embedding=tied and pp > 1))
+    for i in range(arch.num_hidden_layers // pp):
+        prefix = f"decoder.layers.{i}."
+        params += [
+            Param(prefix + "input_layernorm.weight", h),
+            Param(prefix + "self_attention.linear_proj.weight", h * q // tp),
+            Param(prefix + "self_attention.linear_qkv.weight", (q + 2 * k) // tp * h),
+            Param(prefix + "self_attention.q_layernorm.weight", d),
+            Param(prefix + "self_attention.k_layernorm.weight", d),
+            Param(prefix + "pre_mlp_layernorm.weight", h),
+            Param(prefix + "mlp.linear_fc1.weight", 2 * f // tp * h),
+            Param(prefix + "mlp.linear_fc2.weight", h * (f // tp)),
+        ]
+    if last:
+        params.append(Param("decoder.final_layernorm.weight", h))
+        if not tied or pp > 1:
+            params.append(Param("output_layer.weight", vp // tp * h, shared_embedding=tied and pp > 1))
+    return params
+
+
+def _pad(n: int, divisor: int) -> int:
+    return -(-n // divisor) * divisor
+
+
+def buffer_layout(params: list[Param], dp: int, distributed: bool) -> tuple[int, list[int]]:
+    """(elements of Megatron's param/grad buffer, main-parameter elements of each DP rank).
+
+    Follows megatron.core.distributed.param_and_grad_buffer with overlap_grad_reduce off (one
+    bucket, plus one of its own for a shared embedding) and the distributed optimizer's split of
+    every bucket into D equal ranges; without it, no padding and every rank keeps everything.
+    """
+    total = sum(p.numel for p in params)
+    if not distributed:
+        return total, [total] * dp
+    buckets: list[tuple[int, int, list[tuple[int, int]]]] = []  # (start, end, param ranges)
+    start = bucket_start = 0
+    members: list[tuple[int, int]] = []
+    for param in reversed(params):  # Megatron fills the buffer in reverse (backprop) order
+        start = _pad(start, PARAM_ALIGN)
+        if param.shared_embedding and members:
+            end = _pad(start, math.lcm(dp, BUCKET_ALIGN))
+            buckets.append((bucket_start, end, members))
+            start = bucket_start = end
+            members = []
+        members.append((start, start + param.numel))
+        start += param.numel
+        if param.shared_embedding:
+            end = _pad(start, math.lcm(dp, BUCKET_ALIGN))
+            buckets.append((bucket_start, end, members))
+            start = bucket_start = end
+            members = []
+    if members:
+        end = _pad(start, math.lcm(dp, BUCKET_ALIGN))
+        buckets.append((bucket_start, end, members))
+        start = end
+    shards = [0] * dp
+    for b_start, b_end, ranges in buckets:
+        size = (b_end - b_start) // dp
+        for rank in range(dp):
+            lo, hi = b_start + rank * size, b_start + (rank + 1) * size
+            shards[rank] += sum(max(0, min(hi, r_end) - max(lo, r_start)) for r_start, r_end in ranges)
+    return start, shards
+
+
+def layer_activation_bytes(arch: Qwen3Config, tp: int, work: Workload, recompute: str | None = None) -> float:
+    """Bytes per token that one layer keeps for backward (the table in the module docstring)."""
+    recompute = recompute or work.recompute
+    e = work.param_bytes
+    h, f = arch.hidden_size, arch.intermediate_size
+    q = arch.num_attention_heads * arch.head_dim
+    k = arch.num_key_value_heads * arch.head_dim
+    a, s = arch.num_attention_heads, work.seq_len
+    if recompute == "full":
+        return e * h
+    if work.kernels == "te":
+        return 4 * e * h + e * (3 * q + 3 * k + 3 * f) / tp
+    low = 1 if e < 4 else 0
+    if recompute == "selective":
+        return (16 + 2 * e) * h + ((8 + 3 * e) * q + (12 + e) * k + 5 * e * f) / tp
+    return (16 + 2 * e) * h + ((8 + 5 * e) * q + 12 * k + 5 * e * f + (4 + e * low) * a * s) / tp
+
+
+def backward_working_set(arch: Qwen3Config, tp: int, work: Workload) -> float:
+    """Bytes of one layer's backward on top of what the stage keeps (per micro-batch)."""
+    e, tokens = work.param_bytes, work.seq_len * work.micro_batch
+    a, s, f = arch.num_attention_heads, work.seq_len, arch.intermediate_size
+    q = arch.num_attention_heads * arch.head_dim
+    if work.kernels == "te":
+        base = 2 * e * f * tokens / tp
+        extra = 0.0
+    else:
+        base = 4 * a * s * tokens / tp
+        low = 1 if e < 4 else 0
+        extra = ((4 + e * low) * a * s + 3 * e * q) * tokens / tp if work.recompute == "selective" else 0.0
+    if work.recompute == "full":
+        extra = layer_activation_bytes(arch, tp, work, "none") * tokens
+    return base + extra
+
+
+def logits_bytes(arch: Qwen3Config, tp: int, work: Workload) -> float:
+    """Peak of the loss on the last stage: logits slice + its gradient + fp32 chunk buffers."""
+    e, tokens = work.param_bytes, work.seq_len * work.micro_batch
+    vp = padded_vocab(arch.vocab_size, tp) // tp
+    v_real = -(-arch.vocab_size // tp)
+    chunk = min(work.logits_chunk, tokens)
+    # forward: the logits and Megatron's transposed copy of them, then the chunk buffers
+    forward = max(2 * e * tokens * vp, e * tokens * vp + 2 * 4 * chunk * v_real)
+    buffers = (1 if e < 4 else 0) + (1 if work.entropy_grad else 0)
+    backward = 2 * e * tokens * vp + buffers * 4 * chunk * v_real
+    if work.kernels == "local":  # no gradient-accumulation fusion: the weight gradient is a tensor first
+        backward += e * vp * arch.hidden_size
+    return max(forward, backward)
+
+
+@dataclasses.dataclass
+class StageMemory:
+    stage: int
+    params: int
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float  # kept for backward by the micro-batches in flight
+    working: float  # one layer's backward working set
+    logits: float  # the loss's peak (last stage): logits slice, its gradient, chunk buffers
+    optimizer_by_dp_rank: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def peak_activations(self) -> float:
+        # the loss runs before any layer's backward, so the two transients never coincide
+        return self.activations + max(self.working, self.logits)
+
+    @property
+    def trainer(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.peak_activations
+
+
+@dataclasses.dataclass
+class Estimate:
+    layout: Layout
+    stages: list[StageMemory]
+    sglang: float
+    reserve: float
+    gpu_memory: float
+    sglang_released: bool = False  # the servers free their share while the trainer runs
+
+    @property
+    def worst(self) -> StageMemory:
+        return max(self.stages, key=lambda st: st.trainer)
+
+    @property
+    def total(self) -> float:
+        worst = self.worst
+        if self.sglang_released:
+            # servers and activations take turns: the servers are back for the weight sync only
+            static = worst.weights + worst.grads + worst.optimizer
+            return static + max(worst.peak_activations, self.sglang) + self.reserve
+        return worst.trainer + self.sglang + self.reserve
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.gpu_memory
+
+
+def microbatches_per_step(layout: Layout, work: Workload) -> int:
+    return max(1, -(-work.sequences_per_minibatch // (layout.dp * work.micro_batch)))
+
+
+def _buffers(params: list[Param], work: Workload) -> list[tuple[int, list[Param]]]:
+    """Parameters grouped the way Megatron's DDP builds one buffer per dtype, with bytes per element.
+
+    Megatron's local spec builds its RMSNorm weights in fp32 whatever params_dtype is (torch's
+    RMSNorm gets no dtype), so without Transformer Engine a 16-bit model has a second, fp32
+    buffer of norm weights; with it, every parameter has params_dtype.
+    """
+    e = work.param_bytes
+    if work.kernels == "te" or e == 4:
+        return [(e, params)]
+    groups: dict[int, list[Param]] = {}  # in order of first appearance, like Megatron's dict
+    for param in params:
+        groups.setdefault(4 if param.name.endswith("layernorm.weight") else e, []).append(param)
+    return list(groups.items())
+
+
+def stage_memory(arch: Qwen3Config, layout: Layout, work: Workload, stage: int) -> StageMemory:
+    tp, pp = layout.tp, layout.pp
+    params = stage_parameters(arch, tp, pp, stage)
+    weights = grads = 0.0
+    shards = [0.0] * layout.dp
+    for nbytes, group in _buffers(params, work):
+        n_buf, group_shards = buffer_layout(group, layout.dp, work.distributed_optimizer)
+        weights += nbytes * n_buf
+        grads += 4 * n_buf  # the trainer reduces gradients in fp32
+        # Adam's two fp32 moments, plus an fp32 master copy of 16-bit weights
+        for rank, numel in enumerate(group_shards):
+            shards[rank] += (8 + (4 if nbytes < 4 else 0)) * numel
+    tokens = work.seq_len * work.micro_batch
+    in_flight = min(pp - stage, microbatches_per_step(layout, work))
+    layers = arch.num_hidden_layers // pp
+    kept = in_flight * layers * layer_activation_bytes(arch, tp, work) * tokens
+    logits = 0.0
+    if stage == pp - 1:
+        # the final norm keeps its input and output (te: 2e h; local: (16 + 2e) h / 2)
+        e = work.param_bytes
+        kept += (2 * e if work.kernels == "te" else 8 + e) * arch.hidden_size * tokens
+        logits = logits_bytes(arch, tp, work)
+    return StageMemory(
+        stage=stage, params=sum(p.numel for p in params), weights=weights, grads=grads,
+        optimizer=max(shards), activations=kept, working=backward_working_set(arch, tp, work), logits=logits,
+        optimizer_by_dp_rank=shards,
+    )
+
+
+def estimate(
+    arch: Qwen3Config, layout: Layout, work: Workload, *, gpu_memory_gb: float = 80.0,
+    colocate_fraction: float = 0.0, reserve_gb: float = 4.0, sglang_released: bool = False,
+) -> Estimate:
+    reason = check_layout_fits_model(arch, layout.tp, layout.pp)
+    if reason:
+        raise ConfigError(f"layout TP={layout.tp} PP={layout.pp}: {reason}")
+    if not 0.0 <= colocate_fraction < 1.0:
+        raise ConfigError(f"--colocate-fraction: must be in [0, 1), got {colocate_fraction}")
+    stages = [stage_memory(arch, layout, work, r) for r in range(layout.pp)]
+    return Estimate(
+        layout=layout, stages=stages, sglang=colocate_fraction * gpu_memory_gb * GIB,
+        reserve=reserve_gb * GIB, gpu_memory=gpu_memory_gb * GIB, sglang_released=sglang_released,
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [i for i in range(1, n + 1) if n % i == 0]
+
+
+def candidate_layouts(arch: Qwen3Config, gpus: int, gpus_per_node: int = 8) -> list[Layout]:
+    """Every (TP, PP, DP) with TP x PP x DP = gpus that Megatron can build, TP within a node,
+    smallest model-parallel group first."""
+    layouts = []
+    for tp in _divisors(gpus):
+        if tp > max(1, gpus_per_node):
+            continue
+        for pp in _divisors(gpus // tp):
+            if check_layout_fits_model(arch, tp, pp) is None:
+                layouts.append(Layout(tp, pp, gpus // (tp * pp)))
+    return sorted(layouts, key=lambda lay: (lay.tp * lay.pp, lay.pp, lay.tp))
+
+
+def plan(
+    arch: Qwen3Config, gpus: int, work: Workload, *, gpu_memory_gb: float = 80.0,
+    colocate_fraction: float = 0.0, reserve_gb: float = 4.0, gpus_per_node: int = 8, sglang_released: bool = False,
+) -> list[Estimate]:
+    """Estimates for every buildable layout of ``gpus`` GPUs, smallest model-parallel group first."""
+    if gpus < 1:
+        raise ConfigError(f"--gpus: must be >= 1, got {gpus}")
+    return [
+        estimate(arch, layout, work, gpu_memory_gb=gpu_memory_gb, colocate_fraction=colocate_fraction,
+                 reserve_gb=reserve_gb, sglang_released=sglang_released)
+        for layout in candidate_layouts(arch, gpus, gpus_per_node)
+    ]
+
+
+# ---- the command ---------------------------------------------------------------------------
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:7.1f}"
+
+
+def format_table(estimates: Iterable[Estimate]) -> str:
+    head = (f"{'TP':>3} {'PP':>3} {'DP':>4} {'params/GPU':>14} {'weights':>7} {'grads':>7} {'optim':>7} {'activ':>7} "
+            f"{'work':>7} {'logits':>7} {'sglang':>7} {'reserve':>7} {'total':>7}  fits")
+    lines = [head]
+    for est in estimates:
+        w = est.worst
+        lines.append(
+            f"{est.layout.tp:>3} {est.layout.pp:>3} {est.layout.dp:>4} {w.params:>14,} {_gib(w.weights)} {_gib(w.grads)} "
+            f"{_gib(w.optimizer)} {_gib(w.activations)} {_gib(w.working)} {_gib(w.logits)} {_gib(est.sglang)} "
+            f"{_gib(est.reserve)} {_gib(est.total)}  {'yes' if est.fits else 'no'}"
+        )
+    lines.append("GiB per GPU of the worst pipeline stage; total = weights + grads + optim + activ + max(work, logits) "
+                 "+ sglang + reserve (with --sglang-released: sglang takes turns with the activations)")
+    return "\n".join(lines)
+
+
+def format_stages(est: Estimate) -> str:
+    lines = [f"TP={est.layout.tp} PP={est.layout.pp} DP={est.layout.dp}, GiB per GPU of each pipeline stage:",
+             (f"{'stage':>5} {'params':>14} {'weights':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'work':>7} "
+              f"{'logits':>7} {'trainer':>7}")]
+    for st in est.stages:
+        lines.append(f"{st.stage:>5} {st.params:>14,} {_gib(st.weights)} {_gib(st.grads)} {_gib(st.optimizer)} "
+                     f"{_gib(st.activations)} {_gib(st.working)} {_gib(st.logits)} {_gib(st.trainer)}")
+    worst, total = est.worst, f"{_gib(est.total).strip()} of {_gib(est.gpu_memory).strip()} GiB: " + (
+        "fits" if est.fits else "does not fit")
+    if est.sglang_released:
+        static = worst.weights + worst.grads + worst.optimizer
+        lines.append(f"static {_gib(static).strip()} + max(activations {_gib(worst.peak_activations).strip()}, sglang "
+                     f"{_gib(est.sglang).strip()}, released while training) + reserve {_gib(est.reserve).strip()} = {total}")
+    else:
+        lines.append(f"worst stage {_gib(worst.trainer).strip()} + sglang {_gib(est.sglang).strip()} + reserve "
+                     f"{_gib(est.reserve).strip()} = {total}")
+    return "\n".join(lines)
+
+
+def _from_config(args) -> tuple[Qwen3Config | None, dict]:
+    """Defaults taken from a training config (its model, lengths, batch and layout)."""
+    if not args.config:
+        return None, {}
+    from stapo_megatron.config import load_config
+    from stapo_megatron.trainer.config import TrainConfig
+
+    cfg = load_config(TrainConfig, args.config, args.overrides)
+    sglang = cfg.rollout.sglang
+    colocated = cfg.rollout.engine == "sglang" and sglang.colocated
+    return cfg.model, {
+        "gpus": cfg.parallel.world_size,
+        "seq_len": cfg.data.max_prompt_tokens + cfg.batch.max_new_tokens,
+        "micro_batch": cfg.batch.micro_batch_size,
+        "recompute": cfg.compute.recompute,
+        "dtype": cfg.compute.params_dtype,
+        "sequences_per_minibatch": cfg.batch.prompts_per_minibatch * cfg.batch.group_size,
+        "logits_chunk": cfg.compute.logits_chunk_size,
+        "distributed_optimizer": cfg.optim.distributed,
+        "colocate_fraction": sglang.mem_fraction_static if colocated else 0.0,
+        # a field of newer configs: the trainer has colocated servers free their memory while it trains
+        "sglang_released": colocated and bool(getattr(cfg.rollout, "release_memory_between_steps", False)),
+        "entropy_grad": cfg.algo.entropy_coef > 0,
+        "tp": cfg.parallel.tensor_parallel,
+        "pp": cfg.parallel.pipeline_parallel,
+    }
+
+
+def _pick(args, defaults: dict, name: str, fallback):
+    value = getattr(args, name)
+    if value is not None:
+        return value
+    return defaults.get(name, fallback)
+
+
+def run_plan(args) -> None:
+    arch, defaults = _from_config(args)
+    if args.model:
+        arch = build(Qwen3Config, args.model, "--model")
+    if arch is None:
+        raise ConfigError("--model: give a model preset (e.g. qwen3_32b) or --config")
+    seq_len = _pick(args, defaults, "seq_len", None)
+    if seq_len is None:
+        raise ConfigError("--seq-len: required without --config (prompt + response tokens per sequence)")
+    work = Workload(
+        seq_len=seq_len,
+        micro_batch=_pick(args, defaults, "micro_batch", 1),
+        sequences_per_minibatch=_pick(args, defaults, "sequences_per_minibatch", 512),
+        recompute=_pick(args, defaults, "recompute", "none"),
+        kernels=args.kernels,
+        params_dtype=_pick(args, defaults, "dtype", "bfloat16"),
+        distributed_optimizer=defaults.get("distributed_optimizer", True) and not args.no_distributed_optimizer,
+        logits_chunk=_pick(args, defaults, "logits_chunk", 1024),
+        entropy_grad=defaults.get("entropy_grad", False),
+    )
+    for name in ("seq_len", "micro_batch", "sequences_per_minibatch", "logits_chunk"):
+        if getattr(work, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(work, name)}")
+    gpus = _pick(args, defaults, "gpus", None)
+    if gpus is None:
+        raise ConfigError("--gpus: required without --config")
+    options = {
+        "gpu_memory_gb": args.gpu_memory_gb,
+        "colocate_fraction": _pick(args, defaults, "colocate_fraction", 0.0),
+        "reserve_gb": args.reserve_gb,
+        "sglang_released": args.sglang_released or defaults.get("sglang_released", False),
+    }
+    print(f"{arch.num_parameters():,} parameters; {gpus} GPUs of {args.gpu_memory_gb:g} GiB; sequence {work.seq_len} "
+          f"tokens x micro-batch {work.micro_batch}; recompute {work.recompute}; kernels {work.kernels}; "
+          f"{work.params_dtype}; colocated SGLang share {options['colocate_fraction']:g}"
+          f"{' (released while training)' if options['sglang_released'] else ''}")
+    if args.tp is not None or args.pp is not None or (args.config and not args.search):
+        tp, pp = _pick(args, defaults, "tp", 1), _pick(args, defaults, "pp", 1)
+        if gpus % (tp * pp):
+            raise ConfigError(f"--gpus: {gpus} is not a multiple of TP x PP = {tp * pp}")
+        est = estimate(arch, Layout(tp, pp, gpus // (tp * pp)), work, **options)
+        print(format_stages(est))
+        return
+    estimates = plan(arch, gpus, work, gpus_per_node=args.gpus_per_node, **options)
+    shown = estimates if args.all else [e for e in estimates if e.fits]
+    if not shown:
+        best = min(estimates, key=lambda e: e.total) if estimates else None
+        hint = f" (least: TP={best.layout.tp} PP={best.layout.pp}, {best.total / GIB:.1f} GiB)" if best else ""
+        print(f"no layout of {gpus} GPUs fits in {args.gpu_memory_gb:g} GiB{hint}; try recompute full, more GPUs or a "
+              "shorter sequence")
+        return
+    print(format_table(shown))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="Qwen3 preset (qwen3_0.6b ... qwen3_32b) or a model YAML")
+    parser.add_argument("--config", default=None, help="take model, lengths, batch, recompute and layout from this training config")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides of --config")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs of the trainer (default with --config: its world size)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence, prompt + response")
+    parser.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default 1)")
+    parser.add_argument("--sequences-per-minibatch", type=int, default=None,
+                        help="sequences per optimizer step, all DP ranks (default 512 = 64 prompts x 8); bounds the "
+                             "micro-batches in flight under pipeline parallelism")
+    parser.add_argument("--recompute", choices=["none", "selective", "full"], default=None)
+    parser.add_argument("--kernels", choices=["te", "local"], default="te",
+                        help="te: Transformer Engine with flash attention (GPU); local: Megatron's local spec (no TE)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="parameter dtype (default bfloat16)")
+    parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU in GiB (default 80)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="largest TP considered (TP stays within a node)")
+    parser.add_argument("--colocate-fraction", type=float, default=None,
+                        help="fraction of each GPU held by colocated SGLang servers (their mem_fraction_static); 0: separate GPUs")
+    parser.add_argument("--sglang-released", action="store_true",
+                        help="colocated servers free their share while the trainer runs (rollout.release_memory_between_steps)")
+    parser.add_argument("--reserve-gb", type=float, default=4.0, help="CUDA context, NCCL and fragmentation (default 4)")
+    parser.add_argument("--logits-chunk", type=int, default=None, help="tokens per log-prob/entropy chunk (default 1024)")
+    parser.add_argument("--no-distributed-optimizer", action="store_true", help="optimizer state not sharded over DP")
+    parser.add_argument("--tp", type=int, default=None, help="show this layout's stages in detail (with --pp)")
+    parser.add_argument("--pp", type=int, default=None, help="pipeline stages of the detailed layout")
+    parser.add_argument("--search", action="store_true", help="with --config: list layouts instead of the config's own")
+    parser.add_argument("--all", action="store_true", help="list layouts that do not fit too")
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="per-GPU memory of a training layout and the (TP, PP, DP) layouts that fit",
+        description="Estimate weights, gradients, optimizer state, activations, logits and SGLang's share per GPU "
+                    "(formula: stapo_megatron/launch/plan.py).",
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run_plan)

@@ -1,0 +1,465 @@
+"""``stapo submit``: run ``stapo train`` with a checked config on SLURM or locally, through NeMo-Run.
+
+The config is loaded and checked here exactly as ``stapo train`` checks it, then written, resolved
+(every default filled in), into the job directory; the job runs ``stapo train --config`` on that
+file. What runs on the cluster is therefore the run that ``stapo train`` would start here.
+
+- ``--executor slurm``: NeMo-Run's ``SlurmExecutor`` with its torchrun launcher: one task per
+  node, torchrun starting ``--procs-per-node`` ranks (one per GPU: ``--gpus-per-node``; on CPU
+  nodes ``--gpus-per-node 0 --procs-per-node P`` requests no GPUs). It reaches the cluster
+  through an SSH tunnel (``--tunnel ssh --host --user --remote-job-dir``) or, on a login node,
+  a local one. ``--dryrun`` prints the sbatch script and submits nothing.
+- ``--executor local``: NeMo-Run's ``LocalExecutor`` runs ``stapo train`` here (it starts its own
+  torchrun), and waits.
+
+Experiments live under ``$NEMORUN_HOME/experiments/<job name>/<id>`` (default ~/.nemo_run);
+``stapo status`` and ``stapo logs`` find them by id (or job name: the latest), as do NeMo-Run's
+``nemo experiment status|logs|cancel <id>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import shlex
+import shutil
+import sys
+import time
+
+import yaml
+
+from stapo_megatron.config import ConfigError, load_config, to_dict
+from stapo_megatron.trainer.config import TrainConfig
+
+INSTALL_HINT = "pip install 'stapo_megatron[launch]' (nemo-run with leptonai==0.27.3)"
+DEFAULT_TIME = "04:00:00"
+# NeMo-Run names the sbatch job <prefix><job name>; its status parser splits on the last dot.
+JOB_NAME_PREFIX = "stapo."
+_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_CONFIG_EOF = "STAPO_RESOLVED_CONFIG_EOF"
+
+
+def import_nemo_run(command: str):
+    """nemo_run, or a one-line error saying how to install it."""
+    try:
+        import nemo_run
+    except ImportError as err:  # leptonai other than 0.27.3 breaks the import with a ModuleNotFoundError
+        raise ConfigError(f"{command}: NeMo-Run is not importable ({err}); {INSTALL_HINT}") from None
+    return nemo_run
+
+
+@contextlib.contextmanager
+def nemo_console_to_stderr():
+    """NeMo-Run's rich console writes to stdout; keep stdout for what stapo prints (scripts, JSON)."""
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
+@dataclasses.dataclass
+class SubmitOptions:
+    config: str | None
+    overrides: list[str]
+    executor: str = "slurm"
+    nodes: int = 1
+    gpus_per_node: int | None = None
+    procs_per_node: int | None = None
+    partition: str | None = None
+    account: str | None = None
+    time: str = DEFAULT_TIME
+    cpus_per_task: int | None = None
+    exclusive: bool = False
+    container_image: str | None = None
+    mounts: list[str] = dataclasses.field(default_factory=list)
+    env: list[str] = dataclasses.field(default_factory=list)
+    job_name: str | None = None
+    tunnel: str = "local"
+    host: str | None = None
+    user: str | None = None
+    port: int | None = None
+    identity: str | None = None
+    remote_job_dir: str | None = None
+    workdir: str | None = None
+    check_files: bool | None = None  # None: check unless the job runs behind an SSH tunnel
+    dryrun: bool = False
+    wait: bool = False
+
+
+@dataclasses.dataclass
+class Processes:
+    nodes: int
+    per_node: int  # torchrun processes (ranks) per node
+    gpus_per_node: int  # GPUs requested per node (0: a CPU job)
+
+
+# ---- checks (no NeMo-Run needed) ------------------------------------------------------------
+
+
+def load_submitted_config(options: SubmitOptions) -> TrainConfig:
+    """The config as ``stapo train`` would load it; file checks can be skipped for remote paths."""
+    check_files = options.check_files if options.check_files is not None else options.tunnel != "ssh"
+    if check_files:
+        from stapo_megatron.trainer.launcher import load_train_config
+
+        return load_train_config(options.config, options.overrides)
+    from stapo_megatron.models.qwen3.parallelize import check_layout
+    from stapo_megatron.trainer.launcher import default_config_path
+
+    cfg = load_config(TrainConfig, options.config or default_config_path(), options.overrides)
+    check_layout(cfg.model, cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel)
+    return cfg
+
+
+def resolve_processes(options: SubmitOptions, cfg: TrainConfig) -> Processes:
+    """Nodes x processes per node, checked against the config's parallel layout."""
+    p = cfg.parallel
+    world = p.world_size
+    layout = (f"tensor x pipeline x context x data parallel = {p.tensor_parallel} x {p.pipeline_parallel} x "
+              f"{p.context_parallel} x {p.data_parallel} = {world}")
+    if options.nodes < 1:
+        raise ConfigError(f"--nodes: must be >= 1, got {options.nodes}")
+    if options.executor == "local" and options.nodes != 1:
+        raise ConfigError(f"--nodes: the local executor runs on this machine only (1 node), got {options.nodes}")
+    gpus, procs = options.gpus_per_node, options.procs_per_node
+    if gpus is not None and gpus < 0:
+        raise ConfigError(f"--gpus-per-node: must be >= 0, got {gpus}")
+    if procs is not None and procs < 1:
+        raise ConfigError(f"--procs-per-node: must be >= 1, got {procs}")
+    if procs is None:
+        if gpus == 0:
+            raise ConfigError("--procs-per-node: required on CPU nodes (--gpus-per-node 0): processes per node")
+        if gpus is None:
+            if world % options.nodes:
+                raise ConfigError(f"--nodes: {options.nodes} nodes cannot hold the {world} ranks of the config's layout "
+                                  f"({layout}) evenly")
+            procs = world // options.nodes
+        else:
+            procs = gpus
+    if gpus is None:
+        gpus = procs if options.executor == "slurm" else 0
+    if gpus and procs > gpus:
+        raise ConfigError(f"--procs-per-node: {procs} processes per node need one GPU each, but --gpus-per-node is {gpus}")
+    if options.nodes * procs != world:
+        raise ConfigError(f"--nodes/--gpus-per-node: {options.nodes} node(s) x {procs} processes per node = "
+                          f"{options.nodes * procs}, but the config's layout needs {layout}")
+    return Processes(nodes=options.nodes, per_node=procs, gpus_per_node=gpus)
+
+
+def check_rollout_placement(cfg: TrainConfig, procs: Processes) -> list[str]:
+    """Errors for SGLang servers that cannot be placed; returns notes worth printing."""
+    notes = []
+    sglang = cfg.rollout.sglang
+    launching = cfg.rollout.engine == "sglang" and sglang.launches
+    if launching:
+        # the rollout rank (rank 0) starts the servers on its own node
+        needed = sglang.base_gpu_id + sglang.num_servers * sglang.tp_size
+        if procs.gpus_per_node == 0:
+            raise ConfigError("rollout.engine: SGLang servers need GPUs, but the job requests none (--gpus-per-node 0)")
+        if needed > procs.gpus_per_node:
+            raise ConfigError(
+                f"rollout.sglang: {sglang.num_servers} server(s) x tp_size {sglang.tp_size} from GPU {sglang.base_gpu_id} "
+                f"need GPUs 0..{needed - 1} of the first node, which has {procs.gpus_per_node} (--gpus-per-node)"
+            )
+        if not sglang.colocated and sglang.base_gpu_id < procs.per_node:
+            raise ConfigError(
+                f"rollout.sglang.base_gpu_id: {sglang.base_gpu_id} puts servers on the trainer's GPUs 0..{procs.per_node - 1}; "
+                f"set it to >= {procs.per_node} or set rollout.sglang.colocated: true"
+            )
+    spare = procs.gpus_per_node - procs.per_node
+    if spare > 0 and not (launching and not cfg.rollout.sglang.colocated):
+        notes.append(f"note: {spare} GPU(s) per node are requested but run no trainer rank and no SGLang server")
+    return notes
+
+
+def parse_env(items: list[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--env {item}: expected NAME=VALUE")
+        if not _ENV_NAME.fullmatch(name):
+            # NeMo-Run writes `export NAME.upper()=...`; a lower-case name would silently change
+            raise ConfigError(f"--env {item}: the name must be upper-case letters, digits and _ (NeMo-Run upper-cases names)")
+        env[name] = value
+    return env
+
+
+def parse_mounts(items: list[str]) -> list[str]:
+    for item in items:
+        parts = item.split(":")
+        if len(parts) not in (2, 3) or not parts[0] or not parts[1]:
+            raise ConfigError(f"--mounts {item}: expected SRC:DST or SRC:DST:FLAGS")
+    return list(items)
+
+
+def check_options(options: SubmitOptions) -> None:
+    if options.executor not in ("slurm", "local"):
+        raise ConfigError(f"--executor: {options.executor!r} is not slurm or local")
+    if options.job_name is not None and not _JOB_NAME.fullmatch(options.job_name):
+        raise ConfigError(f"--job-name: {options.job_name!r} must be letters, digits, '_', '.', '-' (it names a directory)")
+    if options.executor == "local":
+        slurm_only = {"--partition": options.partition, "--account": options.account, "--container-image": options.container_image,
+                      "--mounts": options.mounts, "--cpus-per-task": options.cpus_per_task, "--exclusive": options.exclusive,
+                      "--host": options.host, "--remote-job-dir": options.remote_job_dir}
+        given = [flag for flag, value in slurm_only.items() if value]
+        if given:
+            raise ConfigError(f"{given[0]}: only for --executor slurm")
+        if options.tunnel != "local":
+            raise ConfigError("--tunnel: only for --executor slurm")
+        return
+    if not options.account:
+        raise ConfigError("--account: required by --executor slurm (the SLURM account to charge)")
+    if options.tunnel not in ("local", "ssh"):
+        raise ConfigError(f"--tunnel: {options.tunnel!r} is not local or ssh")
+    if options.tunnel == "ssh":
+        for flag, value in (("--host", options.host), ("--user", options.user), ("--remote-job-dir", options.remote_job_dir)):
+            if not value:
+                raise ConfigError(f"{flag}: required with --tunnel ssh")
+    if options.cpus_per_task is not None and options.cpus_per_task < 1:
+        raise ConfigError(f"--cpus-per-task: must be >= 1, got {options.cpus_per_task}")
+    if not re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}", options.time):
+        raise ConfigError(f"--time: {options.time!r} is not a SLURM time limit (e.g. 04:00:00 or 2-00:00:00)")
+
+
+def workdir_for(options: SubmitOptions) -> str | None:
+    """Where the job runs (its relative paths, runs/<name> among them, resolve there).
+
+    Default: this directory when the job sees this file system (local executor, or a local
+    tunnel without a container); otherwise NeMo-Run's own (the job directory's code/ folder).
+    """
+    if options.workdir:
+        return options.workdir
+    if options.executor == "local" or (options.tunnel == "local" and not options.container_image):
+        return os.getcwd()
+    return None
+
+
+def job_environment(options: SubmitOptions, *, for_shell: bool) -> dict[str, str]:
+    """The job's environment: what ``stapo train`` sets for its ranks, then --env.
+
+    Values are exported by the sbatch script (``for_shell``: quoted for bash) or passed to the
+    process as they are (local executor).
+    """
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    bindir = os.path.dirname(sys.executable)
+    if options.executor == "local":
+        # torchrun and python of this environment, whether or not it is activated
+        env["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    elif options.tunnel == "local" and not options.container_image:
+        env["PATH"] = f"{shlex.quote(bindir)}:$PATH"  # expanded by the sbatch script's shell
+    user = parse_env(options.env)
+    if for_shell:
+        user = {k: shlex.quote(v) for k, v in user.items()}
+    env.update(user)
+    return env
+
+
+# ---- the NeMo-Run job -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Submission:
+    cfg: TrainConfig
+    config_yaml: str
+    processes: Processes
+    title: str
+    notes: list[str]
+
+
+def prepare(options: SubmitOptions) -> Submission:
+    """Every check that needs neither NeMo-Run nor the cluster, in the order a user fixes them."""
+    check_options(options)
+    cfg = load_submitted_config(options)
+    processes = resolve_processes(options, cfg)
+    notes = check_rollout_placement(cfg, processes)
+    parse_env(options.env)
+    parse_mounts(options.mounts)
+    title = options.job_name or cfg.run.name
+    if not _JOB_NAME.fullmatch(title):
+        raise ConfigError(f"run.name: {title!r} cannot name a job (letters, digits, '_', '.', '-'); give --job-name")
+    config_yaml = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    return Submission(cfg=cfg, config_yaml=config_yaml, processes=processes, title=title, notes=notes)
+
+
+def _slurm_executor(run, options: SubmitOptions, sub: Submission):
+    from stapo_megatron.launch.nemo import ResolvedConfigPackager
+
+    if options.tunnel == "ssh":
+        tunnel = run.SSHTunnel(host=options.host, user=options.user, job_dir=options.remote_job_dir,
+                               identity=options.identity, port=options.port)
+    else:
+        # a local tunnel copies nothing: it must use NeMo-Run's own experiments folder ("")
+        tunnel = run.LocalTunnel(job_dir="")
+    srun_args = []
+    workdir = workdir_for(options)
+    if workdir:
+        # srun takes the last of repeated options: this overrides NeMo-Run's own --chdir / workdir
+        srun_args.append(f"--container-workdir={workdir}" if options.container_image else f"--chdir={workdir}")
+    return run.SlurmExecutor(
+        account=options.account,
+        partition=options.partition,
+        nodes=sub.processes.nodes,
+        ntasks_per_node=sub.processes.per_node,  # the torchrun launcher turns this into nproc-per-node
+        gpus_per_node=sub.processes.gpus_per_node or None,  # CPU nodes: request no GPUs
+        cpus_per_task=options.cpus_per_task,
+        exclusive=True if options.exclusive else None,
+        time=options.time,
+        container_image=options.container_image,
+        container_mounts=parse_mounts(options.mounts),
+        env_vars=job_environment(options, for_shell=True),
+        srun_args=srun_args or None,
+        tunnel=tunnel,
+        packager=ResolvedConfigPackager(config_yaml=sub.config_yaml),
+        launcher="torchrun",
+        job_name_prefix=JOB_NAME_PREFIX,
+    )
+
+
+def _slurm_task(run):
+    from stapo_megatron.launch.nemo import CONFIG_NAME, JOB_DIR_IN_SCRIPT
+
+    # `stapo train` inside torchrun is one rank (RANK and WORLD_SIZE are set)
+    return run.Script(path="stapo_megatron.cli", args=["train", "--config", f"{JOB_DIR_IN_SCRIPT}/{CONFIG_NAME}"],
+                      entrypoint="python", m=True)
+
+
+def local_script(sub: Submission, workdir: str) -> str:
+    """The local job: write the resolved config into its job directory, then `stapo train` on it."""
+    from stapo_megatron.launch.nemo import CONFIG_NAME
+
+    if _CONFIG_EOF in sub.config_yaml:
+        raise ConfigError(f"config: contains the line {_CONFIG_EOF}, which ends the job script's here-document")
+    return "\n".join([
+        "set -euo pipefail",
+        # NeMo-Run writes this script to <job dir>/scripts/
+        'job_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"',
+        f'cat > "$job_dir/{CONFIG_NAME}" <<\'{_CONFIG_EOF}\'',
+        sub.config_yaml.rstrip("\n"),
+        _CONFIG_EOF,
+        f"cd {shlex.quote(workdir)}",
+        f'exec {shlex.quote(sys.executable)} -m stapo_megatron.cli train --config "$job_dir/{CONFIG_NAME}"',
+        "",
+    ])
+
+
+def _job_id(handle: str | None) -> str:
+    """The scheduler's job id from a NeMo-Run app handle (<scheduler>://<session>/<id>)."""
+    if not handle:
+        return ""
+    return handle.partition("://")[2].split("/")[-1]
+
+
+def submit(options: SubmitOptions) -> int:
+    sub = prepare(options)
+    for note in sub.notes:
+        print(note, file=sys.stderr)
+    run = import_nemo_run("stapo submit")
+    with nemo_console_to_stderr():
+        if options.executor == "slurm":
+            executor, task = _slurm_executor(run, options, sub), _slurm_task(run)
+        else:
+            executor = run.LocalExecutor(env_vars=job_environment(options, for_shell=False))
+            task = run.Script(inline=local_script(sub, workdir_for(options)))
+        # the id is NeMo-Run's own scheme (<title>_<ns>), made here so stapo can print it
+        exp_id = f"{sub.title}_{time.time_ns()}"
+        exp = run.Experiment(sub.title, executor=executor, id=exp_id, log_level="WARN", enable_goodbye_message=False,
+                             skip_status_at_exit=True)
+        with exp:
+            exp.add(task, name=sub.title)
+            job = exp.jobs[0]
+            if options.dryrun:
+                exp.dryrun(log=False, delete_exp_dir=False)
+                shown = _dryrun_text(options, job)
+                shutil.rmtree(job.executor.experiment_dir, ignore_errors=True)
+                with contextlib.suppress(OSError):  # the job name's folder, unless other experiments are in it
+                    os.rmdir(os.path.dirname(job.executor.experiment_dir))
+            else:
+                exp.run(detach=options.executor == "slurm" and not options.wait)
+    if options.dryrun:
+        print(shown, end="" if shown.endswith("\n") else "\n")
+        return 0
+    job_id = _job_id(job.handle)
+    print(f"experiment {exp_id}: {options.executor} job {job_id}, job directory {job.executor.job_dir}")
+    print(f"  stapo status {exp_id}    (NeMo-Run: nemo experiment status {exp_id})")
+    print(f"  stapo logs {exp_id}      (NeMo-Run: nemo experiment logs {exp_id} 0)")
+    if options.executor == "local" or options.wait:
+        state = str(job.state).rsplit(".", 1)[-1]
+        print(f"finished: {state}")
+        if state != "SUCCEEDED":
+            print(f"stapo: error: job {job_id} ended {state}; see stapo logs {exp_id}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _dryrun_text(options: SubmitOptions, job) -> str:
+    executor = job.executor
+    if options.executor == "slurm":
+        with open(os.path.join(executor.experiment_dir, f"{executor.job_name}_sbatch.sh"), encoding="utf-8") as f:
+            return f.read()
+    # the local job is the inline script NeMo-Run wrote into the job directory
+    from nemo_run.config import SCRIPTS_DIR
+
+    with open(os.path.join(executor.job_dir, SCRIPTS_DIR, f"{job.id}.sh"), encoding="utf-8") as f:
+        return f.read()
+
+
+# ---- the command ----------------------------------------------------------------------------
+
+
+def options_from_args(args) -> SubmitOptions:
+    return SubmitOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SubmitOptions)})
+
+
+def run_submit(args) -> None:
+    code = submit(options_from_args(args))
+    if code:
+        raise SystemExit(code)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", default=None, help="training config (default: the packaged tiny_cpu.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, as for stapo train (e.g. run.steps=100)")
+    parser.add_argument("--executor", choices=["slurm", "local"], default="slurm")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes (slurm; default 1)")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="GPUs per node, one rank each (default: the config's world size / nodes); 0: CPU nodes")
+    parser.add_argument("--procs-per-node", type=int, default=None,
+                        help="ranks per node (default: --gpus-per-node); required with --gpus-per-node 0")
+    parser.add_argument("--partition", default=None)
+    parser.add_argument("--account", default=None, help="SLURM account (required for slurm)")
+    parser.add_argument("--time", default=DEFAULT_TIME, help=f"time limit (default {DEFAULT_TIME})")
+    parser.add_argument("--cpus-per-task", type=int, default=None, help="CPUs for each node's task (torchrun and its ranks)")
+    parser.add_argument("--exclusive", action="store_true", help="whole nodes")
+    parser.add_argument("--container-image", default=None, help="container image (pyxis/enroot); the job dir is mounted at /nemo_run")
+    parser.add_argument("--mounts", action="append", default=[], metavar="SRC:DST", help="container mount; repeat the flag")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="job environment; repeat the flag")
+    parser.add_argument("--job-name", default=None, help="experiment and job name (default: run.name)")
+    parser.add_argument("--tunnel", choices=["local", "ssh"], default="local",
+                        help="local: sbatch on this machine (a login node); ssh: through --host")
+    parser.add_argument("--host", default=None, help="login node (with --tunnel ssh)")
+    parser.add_argument("--user", default=None, help="user on the login node (with --tunnel ssh)")
+    parser.add_argument("--port", type=int, default=None, help="SSH port")
+    parser.add_argument("--identity", default=None, help="SSH private key")
+    parser.add_argument("--remote-job-dir", default=None, help="experiments directory on the cluster (with --tunnel ssh)")
+    parser.add_argument("--workdir", default=None,
+                        help="directory the job runs in, where relative config paths resolve (default: this directory when the "
+                             "job shares this file system, else NeMo-Run's job directory)")
+    parser.add_argument("--check-files", dest="check_files", action="store_true", default=None,
+                        help="check that the config's files exist here (the default, except with --tunnel ssh)")
+    parser.add_argument("--no-check-files", dest="check_files", action="store_false",
+                        help="do not check that the config's files exist here (paths that exist only on the cluster)")
+    parser.add_argument("--dryrun", action="store_true", help="print the sbatch script (local: the job script); submit nothing")
+    parser.add_argument("--wait", action="store_true", help="slurm: wait for the job to end (default: return once submitted)")
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "submit",
+        help="submit stapo train to SLURM (or run it locally) through NeMo-Run",
+        description="Check a training config, copy it resolved into a NeMo-Run job directory and run `stapo train` on it "
+                    "with SLURM (torchrun launcher) or locally.",
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run_submit)
