@@ -466,8 +466,8 @@ def _from_config(args) -> tuple[Qwen3Config | None, dict]:
         "logits_chunk": cfg.compute.logits_chunk_size,
         "distributed_optimizer": cfg.optim.distributed,
         "colocate_fraction": sglang.mem_fraction_static if colocated else 0.0,
-        # a field of newer configs: the trainer has colocated servers free their memory while it trains
-        "sglang_released": colocated and bool(getattr(cfg.rollout, "release_memory_between_steps", False)),
+        # the trainer has colocated servers free their memory while it trains
+        "sglang_released": colocated and cfg.rollout.release_memory_between_steps,
         "entropy_grad": cfg.algo.entropy_coef > 0,
         "tp": cfg.parallel.tensor_parallel,
         "pp": cfg.parallel.pipeline_parallel,

@@ -1,0 +1,1 @@
+"""Tests of stapo submit, status, logs and plan."""

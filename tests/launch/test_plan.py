@@ -1,0 +1,184 @@
+"""stapo plan against Megatron: meta-device parameter counts, optimizer bytes, measured activation peaks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stapo_megatron.cli import main
+from stapo_megatron.config import ConfigError, build, load_config
+from stapo_megatron.launch import plan
+from stapo_megatron.launch.plan import Layout, Workload
+from stapo_megatron.models.qwen3.config import Qwen3Config
+from stapo_megatron.runtime.launch import spawn_ranks
+from stapo_megatron.trainer.config import TrainConfig
+from tests.helpers import REPO_ROOT
+from tests.launch import _workers
+
+TOLERANCE = 0.25
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """Everything the 2-process world measures (rank 0's file, and rank 1's)."""
+    out = tmp_path_factory.mktemp("plan_world")
+    spawn_ranks(_workers.measure_all, 2, str(out))
+    return [json.loads((out / f"{rank}.json").read_text()) for rank in range(2)]
+
+
+def planned_signature(arch: Qwen3Config, tp: int, pp: int, stage: int, kernels: str = "local") -> list[list]:
+    """The planner's parameters as the meta model reports them (name, numel, shared embedding, bytes)."""
+    norm_bytes = 4 if kernels == "local" else 2  # the local spec's RMSNorm weights are fp32
+    return [
+        [p.name, p.numel, p.shared_embedding, norm_bytes if p.name.endswith("layernorm.weight") else 2]
+        for p in plan.stage_parameters(arch, tp, pp, stage)
+    ]
+
+
+def test_parameters_per_stage_equal_the_meta_model(measured):
+    meta = measured[0]["meta"]
+    assert len(meta) == sum(pp for layouts in _workers.META_LAYOUTS.values() for _, pp in layouts)
+    for key, signature in meta.items():
+        preset, tp, pp, stage = key.split("/")
+        arch = build(Qwen3Config, preset)
+        assert planned_signature(arch, int(tp), int(pp), int(stage)) == signature, key
+
+
+def test_optimizer_bytes_per_rank_from_the_meta_model(measured):
+    """Optimizer and buffer bytes of each DP rank, from the meta model's own parameter list
+    (order, dtypes, shared-embedding buckets), equal the planner's, for 14B and 32B layouts."""
+    for key, signature in measured[0]["meta"].items():
+        preset, tp, pp, stage = key.split("/")
+        if preset not in ("qwen3_14b", "qwen3_32b"):
+            continue
+        arch = build(Qwen3Config, preset)
+        for dp in (1, 2, 4, 8):
+            groups: dict[int, list] = {}
+            for name, numel, shared, nbytes in signature:
+                groups.setdefault(nbytes, []).append(plan.Param(name, numel, shared))
+            shards = [0] * dp
+            buffer = 0
+            for nbytes, params in groups.items():
+                numel, group_shards = plan.buffer_layout(params, dp, True)
+                buffer += numel
+                for rank, n in enumerate(group_shards):
+                    shards[rank] += (12 if nbytes == 2 else 8) * n
+            st = plan.stage_memory(arch, Layout(int(tp), int(pp), dp), Workload(seq_len=8, kernels="local"), int(stage))
+            assert st.optimizer_by_dp_rank == shards, (key, dp)
+            assert st.grads == 4 * buffer and st.params == sum(row[1] for row in signature)
+
+
+def test_stand_in_groups_build_what_real_groups_build(measured):
+    cases = [case for rank in measured for case in rank["real_meta"]]
+    assert {(c["preset"], c["stage"]) for c in cases} >= {("qwen3_14b", 0), ("qwen3_32b", 0), ("qwen3_32b", 1)}
+    for case in cases:
+        assert case["real"] == case["stand_in"], (case["preset"], case["stage"])
+
+
+def test_optimizer_bytes_equal_megatrons_distributed_optimizer(measured):
+    for rank in measured:
+        for found in rank["optimizer"]:
+            layout = Layout(found["tp"], found["pp"], found["dp"])
+            work = Workload(seq_len=8, kernels="local", params_dtype=found["dtype"])
+            st = plan.stage_memory(_workers.OPT_ARCH, layout, work, found["stage"])
+            assert st.params == found["params"], found
+            assert st.grads == 4 * found["buffer_numel"], found
+            assert st.optimizer_by_dp_rank[found["dp_rank"]] == found["optimizer_bytes"], found
+
+
+def test_activation_estimate_within_25_percent_of_the_measured_peak(measured):
+    rows = []
+    for case in measured[0]["activations"]:
+        work = Workload(seq_len=_workers.ACT_SEQ, micro_batch=_workers.ACT_BATCH, recompute=case["recompute"],
+                        kernels="local", params_dtype="float32", logits_chunk=_workers.ACT_CHUNK)
+        st = plan.stage_memory(_workers.ACT_ARCH, Layout(case["tp"], 1, 1), work, 0)
+        error = (st.peak_activations - case["peak"]) / case["peak"]
+        rows.append(f"TP{case['tp']} {case['recompute']}: measured {case['peak'] / 2**20:.1f} MiB, "
+                    f"estimated {st.peak_activations / 2**20:.1f} MiB ({100 * error:+.1f}%)")
+        assert abs(error) < TOLERANCE, rows[-1]
+    print("\n".join(rows))
+    # the cases differ enough to test the terms: recompute and TP must move the peak
+    peaks = {(c["tp"], c["recompute"]): c["peak"] for c in measured[0]["activations"]}
+    assert peaks[(1, "full")] < peaks[(1, "selective")] < peaks[(1, "none")]
+    assert peaks[(2, "none")] < 0.7 * peaks[(1, "none")]
+
+
+def test_buffer_layout_pads_like_megatron():
+    # params start at multiples of 64, the bucket ends at a multiple of lcm(dp, 128)
+    params = [plan.Param("a", 10), plan.Param("b", 100)]
+    numel, shards = plan.buffer_layout(params, 2, True)
+    assert numel == 256 and sum(shards) == 110
+    assert plan.buffer_layout(params, 3, False) == (110, [110, 110, 110])
+
+
+def test_layouts_smallest_first_and_only_buildable():
+    arch = build(Qwen3Config, "qwen3_14b")
+    layouts = plan.candidate_layouts(arch, 32)
+    sizes = [(lay.tp * lay.pp, lay.pp, lay.tp) for lay in layouts]
+    assert sizes == sorted(sizes) and layouts[0] == Layout(1, 1, 32)
+    assert all(40 % lay.tp == 0 and 8 % lay.tp == 0 and 40 % lay.pp == 0 and lay.tp <= 8 for lay in layouts)
+    assert Layout(4, 2, 4) in layouts and all(lay.gpus == 32 for lay in layouts)
+
+
+def test_plan_command_lists_fitting_layouts(capsys):
+    assert main(["plan", "--model", "qwen3_32b", "--gpus", "64", "--seq-len", "17408", "--micro-batch", "1",
+                 "--recompute", "full", "--gpu-memory-gb", "80", "--colocate-fraction", "0.35"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
+    assert rows and all(row[-1] == "yes" for row in rows)
+    assert ["8", "2", "4"] == rows[[r[:3] for r in rows].index(["8", "2", "4"])][:3]
+    mp = [int(r[0]) * int(r[1]) for r in rows]
+    assert mp == sorted(mp)
+    assert all(float(r[-2]) <= 80 for r in rows)
+
+
+def test_plan_command_details_one_layout(capsys):
+    assert main(["plan", "--model", "qwen3_14b", "--gpus", "32", "--seq-len", "17408", "--tp", "4", "--pp", "2",
+                 "--recompute", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "TP=4 PP=2 DP=4" in out and "1,846,359,040" in out and "fits" in out
+
+
+def test_plan_command_errors_are_one_line(capsys):
+    for argv, message in (
+        (["plan", "--model", "qwen3_99b", "--gpus", "8", "--seq-len", "4096"], "unknown model preset 'qwen3_99b'"),
+        (["plan", "--model", "qwen3_8b", "--gpus", "0", "--seq-len", "4096"], "--gpus: must be >= 1"),
+        (["plan", "--model", "qwen3_8b", "--gpus", "8"], "--seq-len: required"),
+        (["plan", "--model", "qwen3_8b", "--gpus", "8", "--seq-len", "4096", "--tp", "3"], "--gpus: 8 is not a multiple of TP x PP = 3"),
+        (["plan", "--model", "qwen3_8b", "--gpus", "12", "--seq-len", "4096", "--tp", "3"], "TP 3 does not divide the 32 attention heads"),
+        (["plan", "--model", "qwen3_8b", "--gpus", "8", "--seq-len", "4096", "--colocate-fraction", "1.5"],
+         "--colocate-fraction: must be in [0, 1)"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("size", ["1.7b", "8b", "14b", "32b"])
+def test_example_configs_fit_80_gb(size):
+    cfg = load_config(TrainConfig, REPO_ROOT / "configs" / f"qwen3_{size}_stapo.yaml")
+    p = cfg.parallel
+    work = Workload(seq_len=cfg.data.max_prompt_tokens + cfg.batch.max_new_tokens, micro_batch=cfg.batch.micro_batch_size,
+                    sequences_per_minibatch=cfg.batch.prompts_per_minibatch * cfg.batch.group_size,
+                    recompute=cfg.compute.recompute, logits_chunk=cfg.compute.logits_chunk_size)
+    est = plan.estimate(cfg.model, Layout(p.tensor_parallel, p.pipeline_parallel, p.data_parallel), work,
+                        gpu_memory_gb=80, colocate_fraction=cfg.rollout.sglang.mem_fraction_static)
+    assert est.fits, plan.format_stages(est)
+
+
+def test_estimate_rejects_unbuildable_layouts():
+    with pytest.raises(ConfigError, match="PP 3 does not divide the 40 layers"):
+        plan.estimate(build(Qwen3Config, "qwen3_14b"), Layout(1, 3, 1), Workload(seq_len=16))
+
+
+def test_released_sglang_share_takes_turns_with_activations():
+    arch = build(Qwen3Config, "qwen3_32b")
+    work = Workload(seq_len=17408, recompute="full")
+    held = plan.estimate(arch, Layout(8, 2, 4), work, colocate_fraction=0.6)
+    released = plan.estimate(arch, Layout(8, 2, 4), work, colocate_fraction=0.6, sglang_released=True)
+    worst = held.worst
+    static = worst.weights + worst.grads + worst.optimizer
+    assert held.total == static + worst.peak_activations + 0.6 * 80 * plan.GIB + 4 * plan.GIB
+    assert released.total == static + max(worst.peak_activations, 0.6 * 80 * plan.GIB) + 4 * plan.GIB
+    assert not held.fits and released.fits

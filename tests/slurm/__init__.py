@@ -1,0 +1,1 @@
+"""A real SLURM cluster on localhost for end-to-end tests (cluster.py)."""
