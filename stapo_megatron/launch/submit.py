@@ -99,16 +99,12 @@ class Processes:
 
 def load_submitted_config(options: SubmitOptions) -> TrainConfig:
     """The config as ``stapo train`` would load it; file checks can be skipped for remote paths."""
-    check_files = options.check_files if options.check_files is not None else options.tunnel != "ssh"
-    if check_files:
-        from stapo_megatron.trainer.launcher import load_train_config
-
-        return load_train_config(options.config, options.overrides)
-    from stapo_megatron.models.qwen3.parallelize import check_layout
     from stapo_megatron.trainer.launcher import default_config_path
+    from stapo_megatron.trainer.validation import check_train_config
 
+    check_files = options.check_files if options.check_files is not None else options.tunnel != "ssh"
     cfg = load_config(TrainConfig, options.config or default_config_path(), options.overrides)
-    check_layout(cfg.model, cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel)
+    check_train_config(cfg, files=check_files)
     return cfg
 
 

@@ -49,8 +49,9 @@ def build_launch_command(
         "--skip-tokenizer-init",
         # One key for both flags: with --admin-api-key set, control endpoints (weight updates,
         # release/resume, pause, flush) accept only the admin key, so this keeps every route on one secret.
-        "--api-key", api_key,
-        "--admin-api-key", api_key,
+        # The "=" form: a key that starts with "-" would otherwise be read as a flag.
+        f"--api-key={api_key}",
+        f"--admin-api-key={api_key}",
     ]
     if cfg.tokenizer_path:
         argv += ["--tokenizer-path", cfg.tokenizer_path]

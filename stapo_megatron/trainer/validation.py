@@ -44,7 +44,7 @@ def _check_initial_weights(cfg: TrainConfig) -> None:
         _check_same_arch(cfg.model, arch, ckpt.load_megatron)
 
 
-def _check_data(cfg: TrainConfig) -> None:
+def _check_data(cfg: TrainConfig, files: bool) -> None:
     data = cfg.data
     if data.is_synthetic:
         from stapo_megatron.data.synthetic import TinyTokenizer
@@ -55,17 +55,21 @@ def _check_data(cfg: TrainConfig) -> None:
                 f"model.vocab_size: {cfg.model.vocab_size} is smaller than the synthetic task's tokenizer ({needed} tokens)"
             )
         return
-    source = Path(data.source)
-    if source.suffix in (".parquet", ".jsonl", ".json") and not source.is_file():
-        raise ConfigError(f"data.source: {data.source} does not exist")
     tokenizer = cfg.tokenizer or cfg.checkpoint.load_hf
     if not tokenizer:
         raise ConfigError("tokenizer: needed for a real dataset (or set checkpoint.load_hf, whose tokenizer is used)")
+    if not files:
+        return
+    source = Path(data.source)
+    if source.suffix in (".parquet", ".jsonl", ".json") and not source.is_file():
+        raise ConfigError(f"data.source: {data.source} does not exist")
     if not Path(tokenizer).is_dir():
         raise ConfigError(f"tokenizer: {tokenizer} is not a directory")
 
 
-def check_train_config(cfg: TrainConfig) -> None:
+def check_train_config(cfg: TrainConfig, files: bool = True) -> None:
+    """Every check across sections; with ``files=False`` nothing on disk is looked at (the paths
+    may be another machine's, as when submitting through an SSH tunnel)."""
     p = cfg.parallel
     check_layout(cfg.model, p.tensor_parallel, p.pipeline_parallel)
     if p.context_parallel > 1:
@@ -88,11 +92,12 @@ def check_train_config(cfg: TrainConfig) -> None:
 
         if not cfg.eval.data_dir:
             raise ConfigError("eval.data_dir: needed when eval.every > 0")
-        for name in cfg.eval.benchmarks:
+        for name in cfg.eval.benchmarks if files else ():
             path = Path(cfg.eval.data_dir) / get_benchmark(name).file_name
             if not path.is_file():
                 raise ConfigError(f"eval.data_dir: {path} (benchmark {name}) does not exist")
     if cfg.logging.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ConfigError("logging.wandb_project: wandb is not installed (pip install 'stapo_megatron[wandb]')")
-    _check_data(cfg)
-    _check_initial_weights(cfg)
+    _check_data(cfg, files)
+    if files:
+        _check_initial_weights(cfg)

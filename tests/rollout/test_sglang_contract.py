@@ -172,7 +172,8 @@ def test_launch_command_for_given_settings():
     assert argv[-1] == "--skip-server-warmup"
     flags = argv[3:]
     values = {flags[i]: flags[i + 1] for i in range(len(flags) - 1)
-              if flags[i].startswith("--") and not flags[i + 1].startswith("--")}
+              if flags[i].startswith("--") and "=" not in flags[i] and not flags[i + 1].startswith("--")}
+    values.update(f.split("=", 1) for f in flags if f.startswith("--") and "=" in f)
     assert values == {
         "--model-path": "/models/Qwen3-8B", "--host": "0.0.0.0", "--port": "31001", "--tp-size": "2",
         "--base-gpu-id": "6", "--mem-fraction-static": "0.55", "--random-seed": "8", "--dtype": "bfloat16",
@@ -184,7 +185,10 @@ def test_launch_command_for_given_settings():
     assert env["NCCL_DEBUG"] == "WARN" and env["PATH"] == os.environ["PATH"]
     # Every flag is one SGLang's launcher documents, with the right arity (the fake parses them the same way).
     fake_sglang.build_parser().parse_args(flags)
-    assert "s3cret" not in " ".join(redact(argv)) and "--api-key" in redact(argv)
+    assert "s3cret" not in " ".join(redact(argv)) and "--api-key=<redacted>" in redact(argv)
+    # A key that looks like a flag is still passed as the value of --api-key.
+    dashed, _ = build_launch_command(cfg, index=0, port=1, nccl_port=2, api_key="-Xy_z")
+    assert fake_sglang.build_parser().parse_args(dashed[3:]).api_key == "-Xy_z"
 
     plain = SGLangConfig(model_path="m", server_command=["/opt/wrap.sh", "serve"])
     argv, _ = build_launch_command(plain, index=0, port=1, nccl_port=2, api_key="k")
