@@ -146,10 +146,12 @@ def default_stop_token_ids(tokenizer: Any, chat_template: bool) -> list[int]:
 
 
 def response_text(tokenizer: Any, token_ids: Sequence[int], finish_reason: str) -> str:
-    """The text a response is scored on: its stop token removed, every other token kept as is.
+    """The text a response is scored on: its final stop token removed, every other token kept.
 
     Special tokens inside a response stay in the text (skipping them would let a policy pad a
     right answer with them and still be scored right).
     """
-    ids = list(token_ids[:-1]) if finish_reason == "stop" and token_ids else list(token_ids)
+    ids = list(token_ids)
+    if finish_reason == "stop" and ids and ids[-1] in set(getattr(tokenizer, "all_special_ids", ())):
+        ids.pop()
     return tokenizer.decode(ids, skip_special_tokens=False)

@@ -47,14 +47,9 @@ def ensure_single_process_world() -> None:
 
 def meta_stage(arch: Qwen3Config, tp: int, pp: int, stage: int, params_dtype: torch.dtype = torch.bfloat16):
     """Pipeline stage ``stage`` of ``arch`` at TP x PP (tensor-parallel rank 0), on the meta device."""
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from stapo_megatron.models.qwen3.model import (
-        layer_spec,
-        padded_vocab_size,
-        transformer_config,
-    )
+    from stapo_megatron.models.qwen3.model import build_gpt_model, transformer_config
 
     ensure_single_process_world()
     groups = ProcessGroupCollection(
@@ -68,20 +63,7 @@ def meta_stage(arch: Qwen3Config, tp: int, pp: int, stage: int, params_dtype: to
             arch, tensor_parallel=tp, pipeline_parallel=pp, params_dtype=params_dtype,
             perform_initialization=False, use_cpu_initialization=True,
         )
-        return GPTModel(
-            config=config,
-            transformer_layer_spec=layer_spec(),
-            vocab_size=padded_vocab_size(arch.vocab_size, tp),
-            max_sequence_length=arch.max_position_embeddings,
-            pre_process=stage == 0,
-            post_process=stage == pp - 1,
-            parallel_output=True,
-            share_embeddings_and_output_weights=arch.tie_word_embeddings,
-            position_embedding_type="rope",
-            rotary_percent=1.0,
-            rotary_base=arch.rope_theta,
-            pg_collection=groups,
-        )
+        return build_gpt_model(arch, config, pre_process=stage == 0, post_process=stage == pp - 1, pg_collection=groups)
 
 
 def named_numels(model) -> list[tuple[str, int]]:

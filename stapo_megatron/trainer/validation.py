@@ -55,15 +55,13 @@ def _check_data(cfg: TrainConfig, files: bool) -> None:
                 f"model.vocab_size: {cfg.model.vocab_size} is smaller than the synthetic task's tokenizer ({needed} tokens)"
             )
         return
+    source = Path(data.source)
+    if files and source.suffix in (".parquet", ".jsonl", ".json") and not source.is_file():
+        raise ConfigError(f"data.source: {data.source} does not exist")
     tokenizer = cfg.tokenizer or cfg.checkpoint.load_hf
     if not tokenizer:
         raise ConfigError("tokenizer: needed for a real dataset (or set checkpoint.load_hf, whose tokenizer is used)")
-    if not files:
-        return
-    source = Path(data.source)
-    if source.suffix in (".parquet", ".jsonl", ".json") and not source.is_file():
-        raise ConfigError(f"data.source: {data.source} does not exist")
-    if not Path(tokenizer).is_dir():
+    if files and not Path(tokenizer).is_dir():
         raise ConfigError(f"tokenizer: {tokenizer} is not a directory")
 
 

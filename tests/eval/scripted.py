@@ -39,7 +39,7 @@ class ScriptedEngine(RolloutEngine):
         return out
 
     def load_weights(self, named_tensors, version=None):
-        raise NotImplementedError("the scripted engine has no weights")
+        raise RuntimeError("the scripted engine has no weights to load")
 
     def release_memory(self):
         pass

@@ -105,8 +105,13 @@ def transformer_config(
     )
 
 
-def build_gpt_model(arch: Qwen3Config, config, *, pre_process: bool = True, post_process: bool = True, vp_stage=None):
-    """One pipeline stage of Qwen3. Logits stay split over the tensor-parallel vocabulary."""
+def build_gpt_model(
+    arch: Qwen3Config, config, *, pre_process: bool = True, post_process: bool = True, vp_stage=None, pg_collection=None
+):
+    """One pipeline stage of Qwen3. Logits stay split over the tensor-parallel vocabulary.
+
+    ``pg_collection``: Megatron's process groups to build with (default: the global parallel state).
+    """
     from megatron.core.models.gpt import GPTModel
 
     return GPTModel(
@@ -122,4 +127,5 @@ def build_gpt_model(arch: Qwen3Config, config, *, pre_process: bool = True, post
         rotary_percent=1.0,
         rotary_base=arch.rope_theta,
         vp_stage=vp_stage,
+        pg_collection=pg_collection,
     )
