@@ -89,7 +89,10 @@ def launch(cfg: TrainConfig, resolved: Path) -> int:
 
 
 def run_train(args) -> None:
-    cfg = load_train_config(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if args.resume is not None:
+        overrides.append(f"checkpoint.resume={args.resume}")
+    cfg = load_train_config(args.config, overrides)
     if _inside_launch():
         run_rank(cfg)
         return
@@ -113,5 +116,12 @@ def register(subparsers) -> None:
         description="Train a Qwen3 policy. Without --config: the embedded tiny CPU configuration.",
     )
     parser.add_argument("--config", default=None, help=f"YAML config (default: the packaged {DEFAULT_CONFIG})")
+    resume = parser.add_mutually_exclusive_group()
+    resume.add_argument("--resume", dest="resume", action="store_const", const="required",
+                        help="continue from the run's latest complete checkpoint; fail if there is none "
+                             "(default: continue when one exists)")
+    resume.add_argument("--no-resume", dest="resume", action="store_const", const="never",
+                        help="start from the initial weights even if the run has checkpoints")
+    parser.set_defaults(resume=None)
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo=grpo optim.lr=2e-6 run.steps=100")
     parser.set_defaults(func=run_train)

@@ -99,3 +99,9 @@ def check_train_config(cfg: TrainConfig, files: bool = True) -> None:
     _check_data(cfg, files)
     if files:
         _check_initial_weights(cfg)
+        if cfg.checkpoint.resume == "required":
+            from stapo_megatron.trainer.checkpointing import Checkpointer
+
+            checkpointer = Checkpointer(cfg.run.directory, cfg.checkpoint.keep_last)
+            if checkpointer.latest() is None:
+                raise ConfigError(f"checkpoint.resume: required, but {checkpointer.root} holds no complete checkpoint")

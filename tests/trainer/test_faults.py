@@ -24,6 +24,7 @@ from tests.trainer.runs import metrics, run, start_session, train_command
         ("checkpoint.load_hf=/nonexistent/model", "checkpoint.load_hf: /nonexistent/model is not a directory"),
         ("algo=ppo", "algo: unknown algo preset 'ppo'"),
         ("model.vocab_size=8", "model.vocab_size: 8 is smaller than the synthetic task's tokenizer (16 tokens)"),
+        ("checkpoint.resume=required", "checkpoint.resume: required, but"),
     ],
 )
 def test_config_errors_are_one_line_before_any_process_group(tmp_path, override, message):
