@@ -105,7 +105,7 @@ def _hf_rows(source: str, split: str) -> Iterator[tuple[int, Any]]:
 
 
 def iter_rows(source: str, fmt: str = "auto", split: str = "train") -> Iterator[tuple[int, Any]]:
-    """(1-based row number, row) pairs; undecodable JSON lines come as placeholders to report."""
+    """(1-based row number, row) pairs; undecodable JSON lines come as markers, reported as bad rows."""
     fmt = resolve_format(source, fmt)
     if fmt == "parquet":
         return _parquet_rows(Path(source))

@@ -24,7 +24,7 @@ def test_render_prompt():
     assert render_prompt(RECORD.problem, "raw") == RECORD.problem
     assert render_prompt("2+2", "Q: {problem}\nA:") == "Q: 2+2\nA:"
     with pytest.raises(ValueError, match="does not contain"):
-        render_prompt("2+2", "no placeholder")
+        render_prompt("2+2", "plain text")
 
 
 def test_qwen3_prompts_with_and_without_the_chat_template(qwen3_tokenizer):
@@ -116,7 +116,7 @@ def test_tiny_tokenizer_has_no_chat_template():
     "fields, message",
     [
         ({"source": ""}, "data.source: must not be empty"),
-        ({"prompt_template": "no placeholder"}, "data.prompt_template: 'no placeholder' is neither"),
+        ({"prompt_template": "plain text"}, "data.prompt_template: 'plain text' is neither"),
         ({"chat_template": True}, "data.chat_template: the synthetic task's tokenizer has no chat template"),
         ({"max_prompt_tokens": 0}, "data.max_prompt_tokens: must be >= 1"),
         ({"synthetic_distractors": -1}, "data.synthetic_distractors: must be >= 0"),
