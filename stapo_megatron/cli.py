@@ -36,8 +36,21 @@ def run(func, args) -> int:
     return 0
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Dotted overrides may come before, between and after the flags (``stapo train a=b --no-resume
+    c=d``). argparse fills a command's ``overrides`` with the first run of them only and leaves
+    the later ones over; they are appended, in order."""
+    parser = build_parser()
+    args, left_over = parser.parse_known_args(argv)
+    if left_over:
+        if not hasattr(args, "overrides") or any(item.startswith("-") for item in left_over):
+            parser.error(f"unrecognized arguments: {' '.join(left_over)}")
+        args.overrides = [*args.overrides, *left_over]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     return run(args.func, args)
 
 

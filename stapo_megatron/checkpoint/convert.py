@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.checkpoint.dist import ASSETS_DIR, load_common, load_dist, save_dist
+from stapo_megatron.checkpoint.integrity import verify_checkpoint
 from stapo_megatron.checkpoint.hf_io import (
     HFCheckpoint,
     SafetensorsStreamWriter,
@@ -74,15 +75,24 @@ def read_meta(directory: str | Path) -> tuple[Qwen3Config, torch.dtype]:
     meta = load_common(directory).get(META_KEY)
     if not meta:
         raise ConfigError(f"{directory}: has no '{META_KEY}' metadata (not written by stapo_megatron)")
-    return Qwen3Config(**meta["arch"]), dtype_from_name(meta["params_dtype"])
+    try:
+        return Qwen3Config(**meta["arch"]), dtype_from_name(meta["params_dtype"])
+    except (KeyError, TypeError) as err:
+        raise ConfigError(f"{directory}: malformed '{META_KEY}' metadata ({type(err).__name__}: {err})") from None
 
 
 def model_state(model: torch.nn.Module) -> dict:
     return {MODEL_KEY: unwrap(model).sharded_state_dict()}
 
 
-def load_model(model: torch.nn.Module, directory: str | Path) -> None:
-    """Load a checkpoint's model weights into this rank's stage, whatever layout wrote them."""
+def load_model(model: torch.nn.Module, directory: str | Path, verify: bool = True) -> None:
+    """Load a checkpoint's model weights into this rank's stage, whatever layout wrote them.
+
+    Collective. ``verify``: first check every file against the checksums in the checkpoint's
+    marker (the hashing is shared by the ranks).
+    """
+    if verify:
+        verify_checkpoint(directory)
     state = load_dist(model_state(model), directory)
     unwrap(model).load_state_dict(state[MODEL_KEY])
 
@@ -297,6 +307,8 @@ def convert_megatron_to_hf(
     from stapo_megatron.runtime.launch import spawn_ranks
 
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    # Every file present with its recorded size, the small ones hashed; the ranks hash the rest.
+    verify_checkpoint(ckpt_dir, full=False)
     arch, _ = read_meta(ckpt_dir)
     check_layout(arch, tp, pp)
     if dtype:

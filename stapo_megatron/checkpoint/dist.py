@@ -2,7 +2,9 @@
 
 A checkpoint is written into a hidden sibling directory and renamed into place by rank 0 only
 after every rank finished and a ``stapo_complete.json`` marker was written, so a directory with
-the final name is always whole. Loading refuses a directory without the marker.
+the final name is always whole. The marker records the size and sha256 of every file
+(:mod:`stapo_megatron.checkpoint.integrity`). Loading refuses a directory without the marker, and
+reads it without running anything it holds (:mod:`stapo_megatron.checkpoint.safe_load`).
 """
 
 from __future__ import annotations
@@ -21,20 +23,60 @@ COMPLETE_MARKER = "stapo_complete.json"
 ASSETS_DIR = "hf_assets"
 
 
+def _in_queue_manager() -> None:
+    """Set-up of the queue's manager process: the rank's stop-request handlers, inherited by the
+    fork, would make it ignore SIGTERM; and it must end with the rank rather than outlive it."""
+    import signal
+
+    from stapo_megatron.runtime.launch import die_with_parent
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+    die_with_parent()
+
+
 def _use_fork_results_queue() -> None:
     """Megatron's writer creates its results queue with a 'spawn' manager, which re-imports
     ``__main__`` (an unguarded entry script runs again) and costs seconds; a fork-context
     manager serves the same purpose."""
     import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+        manager = SyncManager(ctx=mp.get_context("fork"))
+        manager.start(initializer=_in_queue_manager)
+        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+_CPU_GROUP: tuple | None = None  # (the default group it was made for, the gloo group)
+
+
+def cpu_group():
+    """The process group for Python objects and CPU-side metadata (gloo), or None for the default
+    group when that is gloo already (CPU runs) or there is no process group.
+
+    On GPU machines the default group is NCCL; a gloo group over all ranks is created the first
+    time any checkpoint code needs it (collectively: every rank reaches that point together) and
+    reused. This is the one place to point at a shared CPU group of the runtime.
+    """
+    global _CPU_GROUP
+    if not dist.is_initialized() or dist.get_backend() == "gloo":
+        return None
+    world = dist.group.WORLD
+    from stapo_megatron.runtime import distributed as runtime
+
+    shared = getattr(runtime, "_cpu_groups", {}).get(world)  # the runtime's, when init_distributed made one
+    if shared is not None:
+        return shared
+    if _CPU_GROUP is None or _CPU_GROUP[0] is not world:
+        _CPU_GROUP = (world, dist.new_group(backend="gloo"))
+    return _CPU_GROUP[1]
 
 
 def _barrier() -> None:
@@ -65,13 +107,16 @@ def save_dist(
     _use_fork_results_queue()
     dist_checkpointing.save(state, str(staging))
     _barrier()
+    if _rank() == 0 and assets:
+        (staging / ASSETS_DIR).mkdir()
+        for name, source in assets.items():
+            shutil.copy2(source, staging / ASSETS_DIR / name)
+    from stapo_megatron.checkpoint.integrity import HASH, record_files
+
+    files = record_files(staging)  # collective: each rank hashes what it wrote
     if _rank() == 0:
-        if assets:
-            (staging / ASSETS_DIR).mkdir()
-            for name, source in assets.items():
-                shutil.copy2(source, staging / ASSETS_DIR / name)
         with open(staging / COMPLETE_MARKER, "w", encoding="utf-8") as f:
-            json.dump({"time": time.time(), **(metadata or {})}, f)
+            json.dump({"time": time.time(), **(metadata or {}), "hash": HASH, "files": files}, f)
         if directory.exists():
             # Replace an older checkpoint of the same name only once the new one is whole.
             trash = directory.parent / f".{directory.name}.old"
@@ -87,31 +132,57 @@ def save_dist(
 
 
 def check_complete(directory: str | Path) -> dict:
+    """The completion marker's contents (refuses a directory without one)."""
     directory = Path(directory)
     marker = directory / COMPLETE_MARKER
     if not directory.is_dir():
         raise ConfigError(f"{directory}: checkpoint directory does not exist")
     if not marker.is_file():
         raise ConfigError(f"{directory}: not a complete stapo checkpoint (no {COMPLETE_MARKER})")
-    with open(marker, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(marker, encoding="utf-8") as f:
+            content = json.load(f)
+    except (ValueError, RecursionError):
+        raise ConfigError(f"{marker}: damaged completion marker (not JSON)") from None
+    if not isinstance(content, dict):
+        raise ConfigError(f"{marker}: damaged completion marker (not a JSON object)")
+    return content
 
 
 def load_common(directory: str | Path) -> dict:
-    """The non-sharded part of a checkpoint (read on any rank, no model needed)."""
-    from megatron.core import dist_checkpointing
+    """The non-sharded part of a checkpoint (read on any rank, no model needed), by ``weights_only=True``.
+
+    Not verified against the checksums here (callers verify once, collectively: see
+    :func:`stapo_megatron.checkpoint.integrity.verify_checkpoint`).
+    """
+    from stapo_megatron.checkpoint import safe_load
 
     check_complete(directory)
-    return dist_checkpointing.load_common_state_dict(str(directory))
+    safe_load.check_backend(directory)
+    common = safe_load.SafeCommonLoadStrategy().load_common(directory)
+    if not isinstance(common, dict):
+        raise ConfigError(f"{Path(directory) / 'common.pt'}: holds a {type(common).__name__}, not a state dict")
+    return common
 
 
 def load_dist(sharded_state: dict, directory: str | Path) -> dict:
     """Collectively load into the layout described by ``sharded_state`` (any TP/PP).
 
     Every requested tensor must be in the checkpoint; what the checkpoint holds beyond them (an
-    optimizer, when only the model is wanted) is left unread.
+    optimizer, when only the model is wanted) is left unread. Nothing stored is unpickled
+    unrestricted (see :mod:`stapo_megatron.checkpoint.safe_load`); a refusal is a one-line
+    ConfigError naming the file. Not verified against the checksums here (callers do that once).
     """
     from megatron.core import dist_checkpointing
 
+    from stapo_megatron.checkpoint import safe_load
+
     check_complete(directory)
-    return dist_checkpointing.load(sharded_state, str(directory))
+    safe_load.check_backend(directory)
+    with safe_load.one_line_errors():
+        return dist_checkpointing.load(
+            sharded_state,
+            str(directory),
+            sharded_strategy=safe_load.SafeShardedLoadStrategy(),
+            common_strategy=safe_load.SafeCommonLoadStrategy(),
+        )

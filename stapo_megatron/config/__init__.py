@@ -1,6 +1,11 @@
 """Config loading: YAML + dotted overrides -> validated dataclasses."""
 
 from stapo_megatron.config.core import (
+    MAX_BATCH,
+    MAX_SEED,
+    MAX_STEPS,
+    MAX_TOKENS,
+    MAX_VOCAB,
     ConfigError,
     apply_overrides,
     build,
@@ -13,6 +18,11 @@ from stapo_megatron.config.core import (
 )
 
 __all__ = [
+    "MAX_BATCH",
+    "MAX_SEED",
+    "MAX_STEPS",
+    "MAX_TOKENS",
+    "MAX_VOCAB",
     "ConfigError",
     "apply_overrides",
     "build",

@@ -17,7 +17,7 @@ def run_config(args) -> None:
             print(f"{name}  ({type_name}, default {default})\n    {doc}")
         return
     cfg = load_config(TrainConfig, args.config or default_config_path(), args.overrides)
-    print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+    print(yaml.safe_dump(to_dict(cfg, redact=True), sort_keys=False), end="")
 
 
 def register(subparsers) -> None:

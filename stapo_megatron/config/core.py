@@ -11,6 +11,7 @@ a YAML path, or a mapping with a ``preset`` key plus fields that override it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -22,20 +23,87 @@ import yaml
 
 PRESET_KEY = "preset"
 
+# Upper bounds of size fields, far above any real run and far below what would exhaust memory or
+# time before a check further on could fail.
+MAX_STEPS = 10_000_000  # rollout or optimizer steps
+MAX_BATCH = 1 << 20  # prompts or sequences in a batch
+MAX_TOKENS = 1 << 20  # tokens of one prompt or response
+MAX_VOCAB = 1 << 22  # vocabulary entries (Qwen3 has 151,936)
+MAX_SEED = (1 << 32) - 1
+REDACTED = "<redacted>"  # what a secret field's value is replaced with in written configs
+
 
 class ConfigError(ValueError):
     """A config value is wrong; the message starts with the dotted field at fault."""
 
 
-def option(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = dataclasses.MISSING):
-    """A documented config field. Mutable defaults (lists, dicts) are copied per instance."""
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """The range a numeric field (or each number of a list field) must lie in; None: unbounded."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def __post_init__(self):
+        if self.ge is not None and self.gt is not None or self.le is not None and self.lt is not None:
+            raise TypeError("give at most one lower bound (ge or gt) and one upper bound (le or lt)")
+
+    def __bool__(self) -> bool:
+        return any(b is not None for b in (self.ge, self.gt, self.le, self.lt))
+
+    def text(self) -> str:
+        """The range as error messages and docs show it: ``in [0, 1)``, ``>= 1`` or ``< 10``."""
+        low = f"[{self.ge}" if self.ge is not None else f"({self.gt}" if self.gt is not None else None
+        high = f"{self.le}]" if self.le is not None else f"{self.lt})" if self.lt is not None else None
+        if low and high:
+            return f"in {low}, {high}"
+        if low:
+            return (">= " if low[0] == "[" else "> ") + low[1:]
+        return ("<= " if high[-1] == "]" else "< ") + high[:-1]
+
+    def violation(self, value: float) -> str | None:
+        """Why ``value`` is out of range ("must be >= 1"), or None. A fractional range is named whole
+        ("must be in [0, 1)"); for a count only the side it misses, as its upper bound is a sanity cap."""
+        below = self.ge is not None and value < self.ge or self.gt is not None and value <= self.gt
+        above = self.le is not None and value > self.le or self.lt is not None and value >= self.lt
+        if not (below or above):
+            return None
+        if isinstance(value, float):
+            return f"must be {self.text()}"
+        side = Bounds(ge=self.ge, gt=self.gt) if below else Bounds(le=self.le, lt=self.lt)
+        return f"must be {side.text()}"
+
+
+def option(
+    default: Any = dataclasses.MISSING,
+    doc: str = "",
+    *,
+    factory: Any = dataclasses.MISSING,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    secret: bool = False,
+):
+    """A documented config field. Mutable defaults (lists, dicts) are copied per instance.
+
+    ``ge``/``gt``/``le``/``lt`` bound a numeric field (each item of a list of numbers); loading
+    checks them before the section's own ``__post_init__`` checks run.
+    ``secret``: the value (every value, for a mapping) is shown as ``<redacted>`` by
+    ``to_dict(cfg, redact=True)``, which is what goes to files, logs and metrics sinks, and left
+    out of the section's repr.
+    """
     if not doc:
         raise TypeError("every config field needs its documentation string")
     if isinstance(default, (list, dict, set)):
         value = default
         factory = lambda: type(value)(value)  # noqa: E731
         default = dataclasses.MISSING
-    return dataclasses.field(default=default, default_factory=factory, metadata={"doc": doc})
+    metadata = {"doc": doc, "bounds": Bounds(ge=ge, gt=gt, le=le, lt=lt), "secret": secret}
+    # repr=False: a secret stays out of reprs, so out of log lines and tracebacks that show the config
+    return dataclasses.field(default=default, default_factory=factory, metadata=metadata, repr=not secret)
 
 
 def field_doc(cls: type, name: str) -> str:
@@ -56,14 +124,111 @@ def _preset_path(cls: type, name: str, where: str) -> Path:
     return path
 
 
+# A config is a few hundred YAML nodes; aliases expanding past this are a "billion laughs" document.
+MAX_YAML_NODES = 100_000
+MAX_YAML_BYTES = 16 << 20
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class YAMLRefused(yaml.YAMLError):
+    """A YAML document that parses but is refused: a duplicate key, or aliases that expand too far."""
+
+
+def _yaml_children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _check_expanded_size(root: yaml.Node) -> None:
+    """Refuse a document whose aliases expand past MAX_YAML_NODES, before anything is expanded.
+
+    An alias is the anchored node itself, so the expanded size is computed once per distinct node
+    (a depth-first pass, no recursion); a node reached again while it is being sized is a cycle.
+    """
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_sized = stack.pop()
+        key = id(node)
+        if children_sized:
+            on_path.discard(key)
+            sizes[key] = 1 + sum(sizes[id(child)] for child in _yaml_children(node))
+            if sizes[key] > MAX_YAML_NODES:
+                raise YAMLRefused(
+                    f"aliases expand to more than {MAX_YAML_NODES} nodes (line {node.start_mark.line + 1})"
+                )
+            continue
+        if key in sizes:
+            continue
+        if key in on_path:
+            raise YAMLRefused(f"an alias refers to a node that contains it (line {node.start_mark.line + 1})")
+        on_path.add(key)
+        stack.append((node, True))
+        stack.extend((child, False) for child in _yaml_children(node) if id(child) not in sizes)
+
+
+class StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys and alias bombs."""
+
+    def construct_document(self, node):
+        _check_expanded_size(node)
+        return super().construct_document(node)
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: set = set()
+            for key_node, _ in node.value:
+                if key_node.tag == _MERGE_TAG:  # "<<: *base" entries may be overridden on purpose
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                except TypeError:  # an unhashable key: SafeLoader reports it
+                    continue
+                if duplicate:
+                    raise YAMLRefused(f"duplicate key {key!r} (line {key_node.start_mark.line + 1})")
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _yaml_error_line(err: yaml.YAMLError) -> str:
+    """One line: what is wrong and where."""
+    if isinstance(err, yaml.MarkedYAMLError) and err.problem:
+        mark = err.problem_mark
+        return f"{err.problem} (line {mark.line + 1}, column {mark.column + 1})" if mark else err.problem
+    return str(err).splitlines()[0]
+
+
+def load_yaml_text(text: str | typing.IO) -> Any:
+    """YAML through :class:`StrictLoader`; raises yaml.YAMLError (RecursionError for absurd nesting)."""
+    return yaml.load(text, Loader=StrictLoader)
+
+
 def read_yaml(path: str | os.PathLike) -> dict:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        with open(path, "rb") as f:
+            raw = f.read(MAX_YAML_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as err:
+        raise ConfigError(f"config file {path} cannot be read: {err.strerror}") from None
+    if len(raw) > MAX_YAML_BYTES:
+        raise ConfigError(f"config file {path} is larger than {MAX_YAML_BYTES >> 20} MiB")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise ConfigError(f"config file {path} is not UTF-8 text (line {line}, byte {err.start + 1})") from None
+    try:
+        data = load_yaml_text(text)
+    except RecursionError:
+        raise ConfigError(f"config file {path} is nested too deeply") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_error_line(err)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -152,19 +317,45 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
+        number = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:  # YAML 1.1 reads "1e-6" as a string
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        # NaN passes every comparison-based check, and no field means "no limit" by inf.
+        if not math.isfinite(number):
+            raise ConfigError(f"{where}: must be a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"{where}: expected a string, got {value!r}")
     raise TypeError(f"{where}: unsupported config type {tp!r}")
+
+
+def _check_bounds(bounds: Bounds | None, value: Any, where: str) -> None:
+    """A one-line error naming the field (or list item) that is not finite or outside its declared range."""
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_bounds(bounds, item, f"{where}[{i}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: must be a finite number, got {value}")
+    elif bounds and isinstance(value, (int, float)) and not isinstance(value, bool):
+        problem = bounds.violation(value)
+        if problem:
+            raise ConfigError(f"{where}: {problem}, got {value}")
+
+
+def check_fields(section: Any) -> None:
+    """The declared checks of every field of a section built without :func:`build` (from a file's
+    own format, as Hugging Face's config.json): call it first in its ``__post_init__``."""
+    for f in dataclasses.fields(section):
+        _check_bounds(f.metadata.get("bounds"), getattr(section, f.name), f.name)
 
 
 def build(cls: type, data: Any, where: str = "") -> Any:
@@ -185,6 +376,9 @@ def build(cls: type, data: Any, where: str = "") -> Any:
     for name, f in fields.items():
         if name in data:
             kwargs[name] = _coerce(hints[name], data[name], prefix + name)
+            _check_bounds(f.metadata.get("bounds"), kwargs[name], prefix + name)
+            if f.metadata.get("secret"):
+                _refuse_redacted(kwargs[name], prefix + name)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             if dataclasses.is_dataclass(hints[name]):
                 kwargs[name] = build(hints[name], {}, prefix + name)
@@ -204,7 +398,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     path = [p for p in key.strip().split(".")]
     if not all(path):
         raise ConfigError(f"override '{text}': empty field name")
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = load_yaml_text(raw) if raw.strip() else ""
+    except RecursionError:
+        raise ConfigError(f"override '{key}': value is nested too deeply") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override '{key}': value is not valid YAML: {_yaml_error_line(err)}") from None
     return path, value
 
 
@@ -233,19 +432,40 @@ def load_config(cls: type, path: str | os.PathLike | None = None, overrides: Ite
     return build(cls, apply_overrides(data, overrides))
 
 
-def to_dict(cfg: Any) -> Any:
-    """A plain, YAML-serializable copy of a config."""
+def _redacted(value: Any) -> Any:
+    """A secret field's value as people and tools see it: unset stays unset, a mapping keeps its names."""
+    if isinstance(value, dict):
+        return {k: REDACTED for k in value}
+    return REDACTED if value not in (None, "") else value
+
+
+def _refuse_redacted(value: Any, where: str) -> None:
+    """A secret read back from a written (redacted) config must not become the real value."""
+    for name, item in value.items() if isinstance(value, dict) else [(None, value)]:
+        if item == REDACTED:
+            shown = where if name is None else f"{where}.{name}"
+            raise ConfigError(f"{shown}: is '{REDACTED}' (copied from a written config, where secrets are hidden); "
+                              "give the real value or leave it unset")
+
+
+def to_dict(cfg: Any, *, redact: bool = False) -> Any:
+    """A plain, YAML-serializable copy of a config; ``redact``: secret fields shown as ``<redacted>``
+    (for everything written for people or tools: files, logs, wandb/TensorBoard)."""
     if dataclasses.is_dataclass(cfg):
-        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        return {
+            f.name: _redacted(getattr(cfg, f.name)) if redact and f.metadata.get("secret")
+            else to_dict(getattr(cfg, f.name), redact=redact)
+            for f in dataclasses.fields(cfg)
+        }
     if isinstance(cfg, (list, tuple)):
-        return [to_dict(v) for v in cfg]
+        return [to_dict(v, redact=redact) for v in cfg]
     if isinstance(cfg, dict):
-        return {k: to_dict(v) for k, v in cfg.items()}
+        return {k: to_dict(v, redact=redact) for k, v in cfg.items()}
     return cfg
 
 
 def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """(dotted name, type, default, doc) for every field, nested sections flattened."""
+    """(dotted name, type with its range, default, doc) for every field, nested sections flattened."""
     rows = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -259,5 +479,9 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
             default = repr(f.default_factory())
         else:
             default = "(required)"
-        rows.append((prefix + f.name, _type_name(tp), default, f.metadata.get("doc", "")))
+        type_name = _type_name(tp)
+        bounds = f.metadata.get("bounds")
+        if bounds:
+            type_name += f" {bounds.text()}"
+        rows.append((prefix + f.name, type_name, default, f.metadata.get("doc", "")))
     return rows

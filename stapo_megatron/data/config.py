@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from stapo_megatron.config import ConfigError, option
+from stapo_megatron.config import MAX_SEED, MAX_TOKENS, ConfigError, option
+
+# The synthetic task runs on CPU: its vocabulary stays far below a real tokenizer's.
+MAX_DISTRACTORS = 1 << 16
 
 PROMPT_TEMPLATES: dict[str, str] = {
     # The STAPO paper's instruction: step-by-step reasoning, final answer in \boxed{}.
@@ -46,16 +49,24 @@ class DataConfig:
     )
     chat_template_kwargs: dict = option({}, "extra arguments of apply_chat_template, e.g. {enable_thinking: false}")
     max_prompt_tokens: int = option(
-        2048, "prompts longer than this many tokens are dropped (and counted); DAPO-Math-17k's longest has 1503 (Qwen3)"
+        2048,
+        "prompts longer than this many tokens are dropped (and counted); DAPO-Math-17k's longest has 1503 (Qwen3)",
+        ge=1,
+        le=MAX_TOKENS,
     )
     bad_rows: Literal["drop", "error"] = option(
         "drop", "a row without a usable problem or answer: drop it (counted and logged) or stop with an error"
     )
     deduplicate: bool = option(False, "drop rows whose problem text already appeared (DAPO-Math-17k has 627)")
     shuffle: bool = option(True, "sample prompts in a new permutation every epoch (else in file order)")
-    seed: int = option(0, "seed of the prompt order; epoch e uses a permutation derived from (seed, e)")
+    seed: int = option(
+        0, "seed of the prompt order; epoch e uses a permutation derived from (seed, e)", ge=0, le=MAX_SEED
+    )
     synthetic_distractors: int = option(
-        241, "extra never-correct tokens of the synthetic task's tokenizer (241 makes a vocabulary of 256)"
+        241,
+        "extra never-correct tokens of the synthetic task's tokenizer (241 makes a vocabulary of 256)",
+        ge=0,
+        le=MAX_DISTRACTORS,
     )
 
     def __post_init__(self):
@@ -69,10 +80,6 @@ class DataConfig:
             )
         if self.is_synthetic and self.chat_template:
             raise ConfigError("chat_template: the synthetic task's tokenizer has no chat template")
-        if self.max_prompt_tokens < 1:
-            raise ConfigError(f"max_prompt_tokens: must be >= 1, got {self.max_prompt_tokens}")
-        if self.synthetic_distractors < 0:
-            raise ConfigError(f"synthetic_distractors: must be >= 0, got {self.synthetic_distractors}")
 
     @property
     def is_synthetic(self) -> bool:

@@ -7,6 +7,7 @@ with its file and row number (or, with ``bad_rows="error"``, stops the load righ
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from stapo_megatron.data.records import DataError, LoadReport, PromptRecord
-from stapo_megatron.data.rows import BadRow, RowSchema, detect_schema, row_to_record
+from stapo_megatron.data.rows import BadRow, RowSchema, check_row_text, detect_schema, row_to_record
 
 logger = logging.getLogger(__name__)
 
@@ -52,27 +53,49 @@ class _Malformed:
         self.reason, self.detail = reason, detail
 
 
+def _jsonl_line(raw: bytes, first: bool) -> Any:
+    """One JSON line's row, or a marker saying why it cannot be read (bytes that are not UTF-8,
+    malformed JSON, nesting deeper than the JSON reader goes)."""
+    try:
+        text = raw.decode("utf-8-sig" if first else "utf-8")
+    except UnicodeDecodeError as err:
+        return _Malformed("undecodable", f"not UTF-8 text ({err.reason} at column {err.start + 1})")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        return _Malformed("malformed_json", f"malformed JSON ({err.msg} at column {err.colno})")
+    except RecursionError:  # the C scanner's own depth guard: caught per row, nothing is left half-done
+        return _Malformed("too_deep", "JSON nested too deeply to read")
+
+
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    with open(path, encoding="utf-8") as f:
-        first = f.read(1)
-        while first and first.isspace():
-            first = f.read(1)
+    # Bytes, decoded line by line: one undecodable line is one bad row, not a failed load.
+    with open(path, "rb") as f:
+        start = f.read(1 << 16).removeprefix(codecs.BOM_UTF8).lstrip()
+        while not start:
+            chunk = f.read(1 << 16)
+            if not chunk:
+                break
+            start = chunk.lstrip()
         f.seek(0)
-        if first == "[":  # a .json file holding one array
+        if start.startswith(b"["):  # a .json file holding one array
+            # surrogateescape keeps undecodable bytes inside strings as lone surrogates, so that
+            # check_row_text drops just the rows holding them.
+            text = f.read().decode("utf-8", errors="surrogateescape").removeprefix("\ufeff")
             try:
-                rows = json.load(f)
+                rows = json.loads(text)
             except json.JSONDecodeError as err:
                 yield err.lineno, _Malformed("malformed_json", f"malformed JSON ({err.msg})")
                 return
+            except RecursionError:
+                yield 1, _Malformed("too_deep", "JSON nested too deeply to read")
+                return
             yield from enumerate(rows, start=1)
             return
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
+        for line_number, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
-            try:
-                yield line_number, json.loads(line)
-            except json.JSONDecodeError as err:
-                yield line_number, _Malformed("malformed_json", f"malformed JSON ({err.msg} at column {err.colno})")
+            yield line_number, _jsonl_line(raw, line_number == 1)
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
@@ -84,9 +107,21 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
         raise DataError(f"{path}: not a readable parquet file ({err})") from None
     row_number = 0
     for batch in parquet.iter_batches(batch_size=4096):
-        for row in batch.to_pylist():
+        try:
+            rows = batch.to_pylist()
+        except UnicodeDecodeError:
+            # A string column holding bytes that are not UTF-8: convert row by row to find them.
+            rows = [_parquet_row(batch, i) for i in range(batch.num_rows)]
+        for row in rows:
             row_number += 1
             yield row_number, row
+
+
+def _parquet_row(batch: Any, index: int) -> Any:
+    try:
+        return batch.slice(index, 1).to_pylist()[0]
+    except UnicodeDecodeError as err:
+        return _Malformed("undecodable", f"a string column holds bytes that are not UTF-8 ({err.reason})")
 
 
 def _hf_rows(source: str, split: str) -> Iterator[tuple[int, Any]]:
@@ -144,6 +179,7 @@ def load_records(
         try:
             if isinstance(row, _Malformed):
                 raise BadRow(row.reason, row.detail)
+            check_row_text(row)
             if schema is None:
                 if not isinstance(row, dict):
                     raise BadRow("not_an_object", f"row is {type(row).__name__}, expected an object")

@@ -23,6 +23,8 @@ from stapo_megatron.rewards.extract import extract_boxed
 ANSWER_FORMATS = ("plain", "boxed", "gsm8k", "list")
 _INTEGRAL_DECIMAL = re.compile(r"([+-]?\d+)\.0+")
 _THOUSANDS = re.compile(r"[+-]?\d{1,3}(,\d{3})+(\.\d+)?")
+# Real rows are a few levels deep (verl's chat messages: 3); deeper ones are dropped as bad rows.
+MAX_ROW_DEPTH = 64
 
 
 class BadRow(Exception):
@@ -69,6 +71,43 @@ def detect_schema(
     if chosen_answer is None:
         raise ValueError(f"no answer field found among {sorted(row)}; set answer_field")
     return RowSchema(chosen_problem, chosen_answer, answer_format if answer_format != "auto" else guess[2])
+
+
+def _invalid_unicode(text: str) -> UnicodeEncodeError | None:
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return err
+    return None
+
+
+def check_row_text(row: Any) -> None:
+    """Raise :class:`BadRow` for a row nested deeper than MAX_ROW_DEPTH or holding a string that is
+    not valid Unicode (a lone surrogate, from a ``\\ud800`` escape or an undecodable byte), which
+    would fail later in the tokenizer and stop the whole load. Iterative: no recursion to exhaust.
+    Messages never quote the bad text (it cannot even be logged)."""
+    stack: list[tuple[Any, str, int]] = [(row, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if isinstance(value, str):
+            err = _invalid_unicode(value)
+            if err:
+                detail = f"field '{where or '(row)'}' is not valid Unicode text ({err.reason} at character {err.start + 1})"
+                raise BadRow("invalid_text", detail)
+            continue
+        if not isinstance(value, (Mapping, list, tuple)):
+            continue
+        if depth >= MAX_ROW_DEPTH:
+            raise BadRow("too_deep", f"row is nested deeper than {MAX_ROW_DEPTH} levels")
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                if isinstance(key, str) and _invalid_unicode(key):
+                    raise BadRow("invalid_text", f"a key of '{where or '(row)'}' is not valid Unicode text")
+                stack.append((item, f"{where}.{key}" if where else str(key), depth + 1))
+        else:
+            stack.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
 
 
 def _get(row: Mapping[str, Any], dotted: str) -> Any:
@@ -132,7 +171,7 @@ def _answer_text(value: Any, schema: RowSchema) -> str:
             try:
                 # literal_eval reads Python literals only; it never runs code.
                 value = ast.literal_eval(value.strip())
-            except (ValueError, SyntaxError) as err:
+            except (ValueError, SyntaxError, RecursionError) as err:
                 raise BadRow("unusable_answer", f"field '{field}' is not a list literal ({err})") from None
         items = value if isinstance(value, (list, tuple)) else [value]
         answer = ", ".join(text for text in (_scalar_text(item, field) for item in items) if text)

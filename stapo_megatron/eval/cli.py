@@ -209,9 +209,11 @@ def run_eval(args: argparse.Namespace) -> None:
 def read_yaml_text(text: str, flag: str) -> dict:
     import yaml
 
+    from stapo_megatron.config.core import load_yaml_text
+
     try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
+        value = load_yaml_text(text)  # duplicate keys and alias bombs refused
+    except (yaml.YAMLError, RecursionError):
         raise ConfigError(f"{flag}: {text!r} is not a YAML mapping") from None
     if not isinstance(value, dict):
         raise ConfigError(f"{flag}: {text!r} is not a mapping (e.g. '{{enable_thinking: false}}')")

@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from stapo_megatron.config import ConfigError, option
+from stapo_megatron.config import MAX_BATCH, MAX_SEED, MAX_STEPS, MAX_TOKENS, ConfigError, option
+from stapo_megatron.config.core import check_fields
 from stapo_megatron.data.benchmarks import BENCHMARKS, PAPER_BENCHMARKS
+
+MAX_K = 1 << 16  # samples per problem
 
 # (temperature, top_p) of each decoding preset.
 DECODING = {
@@ -17,16 +20,18 @@ DECODING = {
 
 @dataclasses.dataclass
 class EvalConfig:
-    every: int = option(0, "In training: evaluate every this many rollout steps (0: never).")
+    every: int = option(0, "In training: evaluate every this many rollout steps (0: never).", ge=0, le=MAX_STEPS)
     benchmarks: list[str] = option(list(PAPER_BENCHMARKS), "Benchmarks to evaluate, by name.")
     data_dir: str = option("", "Directory holding the benchmark files (aime24.jsonl, math500.jsonl, ...).")
     decoding: Literal["train", "justrl"] = option(
         "train", "train: temperature 1.0, top-p 1.0; justrl: temperature 0.7, top-p 0.9."
     )
-    k: int = option(0, "Samples per problem for avg@k and pass@k (0: each benchmark's default, 32 or 4).")
-    limit: int = option(0, "Problems per benchmark (0: all), for quick checks.")
-    max_new_tokens: int = option(0, "Longest response (0: the training batch.max_new_tokens).")
-    seed: int = option(0, "Sampling seed of evaluation.")
+    k: int = option(
+        0, "Samples per problem for avg@k and pass@k (0: each benchmark's default, 32 or 4).", ge=0, le=MAX_K
+    )
+    limit: int = option(0, "Problems per benchmark (0: all), for quick checks.", ge=0, le=MAX_BATCH)
+    max_new_tokens: int = option(0, "Longest response (0: the training batch.max_new_tokens).", ge=0, le=MAX_TOKENS)
+    seed: int = option(0, "Sampling seed of evaluation.", ge=0, le=MAX_SEED)
     k_by_benchmark: dict = option(
         {}, "Samples per problem of single benchmarks, e.g. {aime24: 16}; overrides k (and the default) for them."
     )
@@ -35,12 +40,12 @@ class EvalConfig:
         "Problems sampled by one engine call; their samples derive from one seed, so keep it when resuming "
         "(0: 1 with the local engine, so each problem's samples depend only on its own seed; 64 with SGLang, "
         "to keep the servers busy).",
+        ge=0,
+        le=MAX_BATCH,
     )
 
     def __post_init__(self):
-        for name in ("every", "k", "limit", "max_new_tokens", "problems_per_call"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        check_fields(self)  # `stapo eval` builds this section from its flags, not through build()
         unknown = [b for b in self.benchmarks if b not in BENCHMARKS]
         if unknown:
             raise ConfigError(f"benchmarks: unknown benchmark '{unknown[0]}' (known: {', '.join(BENCHMARKS)})")
@@ -54,6 +59,8 @@ class EvalConfig:
                 raise ConfigError(f"k_by_benchmark: unknown benchmark '{name}' (known: {', '.join(BENCHMARKS)})")
             if isinstance(k, bool) or not isinstance(k, int) or k < 1:
                 raise ConfigError(f"k_by_benchmark: {name}: must be an integer >= 1, got {k!r}")
+            if k > MAX_K:
+                raise ConfigError(f"k_by_benchmark: {name}: must be <= {MAX_K}, got {k}")
 
     @property
     def sampling(self) -> tuple[float, float]:

@@ -34,7 +34,10 @@ class ResolvedConfigPackager(run.Packager):
     def package(self, path: Path, job_dir: str, name: str) -> str:
         os.makedirs(job_dir, exist_ok=True)
         target = os.path.join(job_dir, CONFIG_NAME)
-        with open(target + ".tmp", "w", encoding="utf-8") as f:
+        # 0600: the job's ranks read secrets (API key, tokens) from it; other users must not
+        fd = os.open(target + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with open(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), 0o600)  # also a temporary left with wider permissions by an earlier try
             f.write(self.config_yaml)
         os.replace(target + ".tmp", target)
         return ""  # nothing to extract into the job's code directory

@@ -8,7 +8,9 @@ file. What runs on the cluster is therefore the run that ``stapo train`` would s
   node, torchrun starting ``--procs-per-node`` ranks (one per GPU: ``--gpus-per-node``; on CPU
   nodes ``--gpus-per-node 0 --procs-per-node P`` requests no GPUs). It reaches the cluster
   through an SSH tunnel (``--tunnel ssh --host --user --remote-job-dir``) or, on a login node,
-  a local one. ``--dryrun`` prints the sbatch script and submits nothing.
+  a local one. ``--dryrun`` prints the sbatch script and submits nothing. A run longer than
+  ``--time`` is signalled ``--signal-lead`` seconds before the limit, checkpoints, requeues
+  itself and resumes, up to ``--max-requeues`` times (stapo_megatron/launch/requeue.py).
 - ``--executor local``: NeMo-Run's ``LocalExecutor`` runs ``stapo train`` here (it starts its own
   torchrun), and waits.
 
@@ -31,6 +33,10 @@ import time
 import yaml
 
 from stapo_megatron.config import ConfigError, load_config, to_dict
+from stapo_megatron.launch.requeue import (
+    DEFAULT_MAX_REQUEUES, DEFAULT_SIGNAL_LEAD_S, batch_script_lines, check_requeue_options, run_dir_for_batch_shell,
+    time_limit_seconds,
+)
 from stapo_megatron.trainer.config import TrainConfig
 
 INSTALL_HINT = "pip install 'stapo_megatron[launch]' (nemo-run with leptonai==0.27.3)"
@@ -39,6 +45,8 @@ DEFAULT_TIME = "04:00:00"
 JOB_NAME_PREFIX = "stapo."
 _ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+# What shlex.quote leaves as it is: a value of only these characters reads the same to bash and sbatch, quoted or not.
+_SHELL_SAFE = re.compile(r"[\w@%+=:,./-]+", re.ASCII)
 _CONFIG_EOF = "STAPO_RESOLVED_CONFIG_EOF"
 
 
@@ -69,6 +77,8 @@ class SubmitOptions:
     partition: str | None = None
     account: str | None = None
     time: str = DEFAULT_TIME
+    signal_lead: int | None = None  # None: requeue.DEFAULT_SIGNAL_LEAD_S (slurm only)
+    max_requeues: int | None = None  # None: requeue.DEFAULT_MAX_REQUEUES (slurm only)
     cpus_per_task: int | None = None
     exclusive: bool = False
     container_image: str | None = None
@@ -190,9 +200,24 @@ def parse_mounts(items: list[str]) -> list[str]:
     return list(items)
 
 
+def check_unquoted(flag: str, value: str) -> None:
+    """A value NeMo-Run writes into the sbatch script as it is (its srun line quotes nothing)."""
+    if not _SHELL_SAFE.fullmatch(value):
+        raise ConfigError(f"{flag}: {value!r} cannot go into the sbatch script, which NeMo-Run writes it into unquoted "
+                          "(use letters, digits and _@%+=:,./- only)")
+
+
+def check_one_line(flag: str, value: str) -> None:
+    """A value stapo quotes for the script must still fit on its one line."""
+    if not value.isprintable():
+        raise ConfigError(f"{flag}: {value!r} contains a control character (e.g. a newline), which the job script cannot carry")
+
+
 def check_options(options: SubmitOptions) -> None:
     if options.executor not in ("slurm", "local"):
         raise ConfigError(f"--executor: {options.executor!r} is not slurm or local")
+    if options.workdir is not None:
+        check_one_line("--workdir", options.workdir)
     if options.job_name is not None and not _JOB_NAME.fullmatch(options.job_name):
         raise ConfigError(f"--job-name: {options.job_name!r} must be letters, digits, '_', '.', '-' (it names a directory)")
     if options.executor == "local":
@@ -200,6 +225,8 @@ def check_options(options: SubmitOptions) -> None:
                       "--mounts": options.mounts, "--cpus-per-task": options.cpus_per_task, "--exclusive": options.exclusive,
                       "--host": options.host, "--remote-job-dir": options.remote_job_dir}
         given = [flag for flag, value in slurm_only.items() if value]
+        given += [flag for flag, value in (("--signal-lead", options.signal_lead), ("--max-requeues", options.max_requeues))
+                  if value is not None]
         if given:
             raise ConfigError(f"{given[0]}: only for --executor slurm")
         if options.tunnel != "local":
@@ -207,6 +234,11 @@ def check_options(options: SubmitOptions) -> None:
         return
     if not options.account:
         raise ConfigError("--account: required by --executor slurm (the SLURM account to charge)")
+    for flag, value in (("--account", options.account), ("--partition", options.partition),
+                        ("--container-image", options.container_image), ("--remote-job-dir", options.remote_job_dir),
+                        *(("--mounts", mount) for mount in options.mounts)):
+        if value is not None:
+            check_unquoted(flag, value)
     if options.tunnel not in ("local", "ssh"):
         raise ConfigError(f"--tunnel: {options.tunnel!r} is not local or ssh")
     if options.tunnel == "ssh":
@@ -215,8 +247,17 @@ def check_options(options: SubmitOptions) -> None:
                 raise ConfigError(f"{flag}: required with --tunnel ssh")
     if options.cpus_per_task is not None and options.cpus_per_task < 1:
         raise ConfigError(f"--cpus-per-task: must be >= 1, got {options.cpus_per_task}")
-    if not re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}", options.time):
-        raise ConfigError(f"--time: {options.time!r} is not a SLURM time limit (e.g. 04:00:00 or 2-00:00:00)")
+    check_requeue_options(signal_lead_s(options), max_requeues(options), options.time)
+
+
+def signal_lead_s(options: SubmitOptions) -> int:
+    if options.signal_lead is not None:
+        return options.signal_lead
+    return min(DEFAULT_SIGNAL_LEAD_S, time_limit_seconds(options.time) // 4)
+
+
+def max_requeues(options: SubmitOptions) -> int:
+    return DEFAULT_MAX_REQUEUES if options.max_requeues is None else options.max_requeues
 
 
 def workdir_for(options: SubmitOptions) -> str | None:
@@ -228,7 +269,9 @@ def workdir_for(options: SubmitOptions) -> str | None:
     if options.workdir:
         return options.workdir
     if options.executor == "local" or (options.tunnel == "local" and not options.container_image):
-        return os.getcwd()
+        here = os.getcwd()
+        check_one_line("--workdir (default: this directory)", here)
+        return here
     return None
 
 
@@ -275,7 +318,8 @@ def prepare(options: SubmitOptions) -> Submission:
     title = options.job_name or cfg.run.name
     if not _JOB_NAME.fullmatch(title):
         raise ConfigError(f"run.name: {title!r} cannot name a job (letters, digits, '_', '.', '-'); give --job-name")
-    config_yaml = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    # The job's ranks read this file, so it keeps secrets, except in a dry run, which prints it.
+    config_yaml = yaml.safe_dump(to_dict(cfg, redact=options.dryrun), sort_keys=False)
     return Submission(cfg=cfg, config_yaml=config_yaml, processes=processes, title=title, notes=notes)
 
 
@@ -286,13 +330,19 @@ def _slurm_executor(run, options: SubmitOptions, sub: Submission):
         tunnel = run.SSHTunnel(host=options.host, user=options.user, job_dir=options.remote_job_dir,
                                identity=options.identity, port=options.port)
     else:
+        from nemo_run.config import get_nemorun_home
+
+        # the job directory (logs, config) lies under it and appears unquoted in the script
+        check_unquoted("NEMORUN_HOME", get_nemorun_home())
         # a local tunnel copies nothing: it must use NeMo-Run's own experiments folder ("")
         tunnel = run.LocalTunnel(job_dir="")
     srun_args = []
     workdir = workdir_for(options)
     if workdir:
-        # srun takes the last of repeated options: this overrides NeMo-Run's own --chdir / workdir
-        srun_args.append(f"--container-workdir={workdir}" if options.container_image else f"--chdir={workdir}")
+        # srun takes the last of repeated options: this overrides NeMo-Run's own --chdir / workdir.
+        # NeMo-Run writes srun arguments unquoted, so the value is quoted here.
+        flag = "--container-workdir" if options.container_image else "--chdir"
+        srun_args.append(f"{flag}={shlex.quote(workdir)}")
     return run.SlurmExecutor(
         account=options.account,
         partition=options.partition,
@@ -302,6 +352,7 @@ def _slurm_executor(run, options: SubmitOptions, sub: Submission):
         cpus_per_task=options.cpus_per_task,
         exclusive=True if options.exclusive else None,
         time=options.time,
+        signal=f"B:USR1@{signal_lead_s(options)}",  # to the batch shell: see launch/requeue.py
         container_image=options.container_image,
         container_mounts=parse_mounts(options.mounts),
         env_vars=job_environment(options, for_shell=True),
@@ -311,6 +362,26 @@ def _slurm_executor(run, options: SubmitOptions, sub: Submission):
         launcher="torchrun",
         job_name_prefix=JOB_NAME_PREFIX,
     )
+
+
+def _batch_shell_run_dir(options: SubmitOptions, sub: Submission, cluster_job_dir: str) -> str:
+    """The run directory as the batch script sees it (launch/requeue.py)."""
+    from stapo_megatron.launch.nemo import JOB_DIR_IN_SCRIPT
+
+    return run_dir_for_batch_shell(
+        str(sub.cfg.run.directory),
+        workdir_for(options) or f"{JOB_DIR_IN_SCRIPT}/code",  # where the ranks run: a relative run directory is there
+        [f"{cluster_job_dir}:{JOB_DIR_IN_SCRIPT}", *(parse_mounts(options.mounts) if options.container_image else [])],
+        in_container=bool(options.container_image),
+    )
+
+
+def _add_requeue_lines(executor, options: SubmitOptions, sub: Submission) -> None:
+    """The batch script's USR1 trap and requeue (launch/requeue.py), once NeMo-Run has placed the job."""
+    # the job directory on the cluster, as NeMo-Run lays it out (<tunnel job dir>/<job dir name>)
+    cluster_job_dir = os.path.join(executor.tunnel.job_dir, os.path.basename(executor.job_dir))
+    run_dir = _batch_shell_run_dir(options, sub, cluster_job_dir)
+    executor.setup_lines = batch_script_lines(run_dir, signal_lead_s(options), max_requeues(options))
 
 
 def _slurm_task(run):
@@ -352,6 +423,8 @@ def submit(options: SubmitOptions) -> int:
     for note in sub.notes:
         print(note, file=sys.stderr)
     run = import_nemo_run("stapo submit")
+    if options.executor == "slurm":
+        _batch_shell_run_dir(options, sub, cluster_job_dir="/")  # an unreachable run directory: refused before any experiment
     with nemo_console_to_stderr():
         if options.executor == "slurm":
             executor, task = _slurm_executor(run, options, sub), _slurm_task(run)
@@ -365,6 +438,8 @@ def submit(options: SubmitOptions) -> int:
         with exp:
             exp.add(task, name=sub.title)
             job = exp.jobs[0]
+            if options.executor == "slurm":
+                _add_requeue_lines(job.executor, options, sub)
             if options.dryrun:
                 exp.dryrun(log=False, delete_exp_dir=False)
                 shown = _dryrun_text(options, job)
@@ -426,6 +501,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--partition", default=None)
     parser.add_argument("--account", default=None, help="SLURM account (required for slurm)")
     parser.add_argument("--time", default=DEFAULT_TIME, help=f"time limit (default {DEFAULT_TIME})")
+    parser.add_argument("--signal-lead", type=int, default=None, metavar="SECONDS",
+                        help="slurm: the job is signalled this long before its time limit and the run checkpoints and stops "
+                             "after its current step; give more than a step and a checkpoint take "
+                             f"(default {DEFAULT_SIGNAL_LEAD_S}, or a quarter of --time if shorter)")
+    parser.add_argument("--max-requeues", type=int, default=None, metavar="N",
+                        help="slurm: a job that ends before run.steps (stopped for its time limit, a hang, a failure) "
+                             f"requeues itself and resumes from its latest checkpoint, at most N times (default {DEFAULT_MAX_REQUEUES}; 0: never)")
     parser.add_argument("--cpus-per-task", type=int, default=None, help="CPUs for each node's task (torchrun and its ranks)")
     parser.add_argument("--exclusive", action="store_true", help="whole nodes")
     parser.add_argument("--container-image", default=None, help="container image (pyxis/enroot); the job dir is mounted at /nemo_run")

@@ -6,16 +6,18 @@
 - :mod:`.selection`: the mini-batch and micro-batch scopes of a rule's threshold;
 - :mod:`.policy`: the clipped surrogate with clip-higher, KL and entropy terms, aggregation;
 - :mod:`.metrics`: reduction of the loss metrics over micro-batches and ranks;
-- :mod:`.advantages`: group advantages, dynamic sampling, overlong shaping;
+- :mod:`.advantages`: reward scale, group advantages, dynamic sampling, overlong shaping;
+- :mod:`.rollout_correction`: truncated / masked importance sampling against the engine's log-probs, mismatch metrics;
 - :mod:`.config`: :class:`AlgoConfig` (presets in ``configs/algo``).
 """
 
-from stapo_megatron.loss.advantages import dynamic_sampling_filter, group_advantages, overlong_penalty
+from stapo_megatron.loss.advantages import correctness_reward, dynamic_sampling_filter, group_advantages, overlong_penalty
 from stapo_megatron.loss.config import AlgoConfig
 from stapo_megatron.loss.logprob_entropy import DEFAULT_CHUNK_SIZE, vocab_parallel_logprob_entropy
 from stapo_megatron.loss.metrics import all_reduce_metrics, reduce_metrics
 from stapo_megatron.loss.policy import k3, policy_loss
 from stapo_megatron.loss.quantile import gather_values, quantile_threshold
+from stapo_megatron.loss.rollout_correction import ROLLOUT_CORRECTIONS, mismatch_sums, rollout_correction, summarize_mismatch
 from stapo_megatron.loss.selection import Selection, minibatch_threshold, needs_statistics_pass, select_tokens
 from stapo_megatron.loss.token_rules import (
     TOKEN_RULES,
@@ -40,7 +42,9 @@ __all__ = [
     "TOKEN_RULES",
     "TokenRule",
     "TokenStats",
+    "ROLLOUT_CORRECTIONS",
     "all_reduce_metrics",
+    "correctness_reward",
     "dynamic_sampling_filter",
     "gather_values",
     "get_token_rule",
@@ -48,15 +52,18 @@ __all__ = [
     "high_entropy_mask",
     "k3",
     "minibatch_threshold",
+    "mismatch_sums",
     "needs_statistics_pass",
     "overlong_penalty",
     "policy_loss",
     "quantile_threshold",
     "reduce_metrics",
+    "rollout_correction",
     "register_token_rule",
     "s2t_candidates",
     "s2t_mask",
     "s2t_threshold",
     "select_tokens",
+    "summarize_mismatch",
     "vocab_parallel_logprob_entropy",
 ]

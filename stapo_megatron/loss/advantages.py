@@ -1,4 +1,5 @@
-"""Group-relative advantages, DAPO's dynamic-sampling filter and overlong reward shaping.
+"""Rewards and group-relative advantages: the correctness reward's scale, DAPO's dynamic-sampling
+filter and overlong reward shaping.
 
 Rewards are laid out group by group: responses [g*G, (g+1)*G) answer prompt g.
 """
@@ -10,6 +11,22 @@ from typing import Optional
 import torch
 
 SCALES = ("std", "none")
+REWARD_SCALES = ("binary", "signed")
+
+
+def correctness_reward(correct: torch.Tensor, scale: str = "binary") -> torch.Tensor:
+    """The reward of each response from its verdict (1 correct, 0 not): ``binary`` keeps 1 / 0 (the
+    STAPO paper's R in {0, 1}); ``signed`` gives +1 / -1, as DAPO's verifier
+    (verl ``utils/reward_score/math_dapo.py``: ``1.0 if correct else -1.0``), which JustRL and the
+    20-Entropy reference code also use. DAPO's overlong penalty (:func:`overlong_penalty`, in
+    [-1, 0]) is defined on the signed scale; on the binary one it would weigh twice as much.
+    """
+    if scale not in REWARD_SCALES:
+        raise ValueError(f"scale: {scale!r} is not one of {', '.join(REWARD_SCALES)}")
+    correct = correct.to(torch.float32)
+    if not bool(((correct == 0) | (correct == 1)).all()):
+        raise ValueError("correct: expected verdicts of 0 or 1")
+    return 2.0 * correct - 1.0 if scale == "signed" else correct
 
 
 def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -54,7 +71,8 @@ def dynamic_sampling_filter(rewards: torch.Tensor, group_size: int) -> torch.Ten
 def overlong_penalty(
     lengths: torch.Tensor, max_length: int, buffer: int, penalty_factor: float = 1.0
 ) -> torch.Tensor:
-    """DAPO's soft overlong punishment, added to the reward (<= 0), per response length:
+    """DAPO's soft overlong punishment (arXiv 2503.14476, Eq. 13, L_max = ``max_length``, L_cache =
+    ``buffer``; verl's DAPO reward manager), added to the signed reward (<= 0), per response length:
 
         0                                       if L <= max_length - buffer
         -penalty_factor (L - (max_length - buffer)) / buffer   if max_length - buffer < L <= max_length

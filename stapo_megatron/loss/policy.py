@@ -1,9 +1,15 @@
-"""The clipped policy-gradient loss (clip-higher), with the token mask, optional KL and entropy terms.
+"""The clipped policy-gradient loss (clip-higher, dual-clip), with the token mask, optional KL and
+entropy terms and the rollout correction.
 
-Per token t with weight w_t (``keep``), ratio r = exp(logprob - old_logprob), advantage A:
+Per token t with weight w_t (``keep``), ratio r = exp(clamp(logprob - old_logprob, -c, c)) with
+c = ``log_ratio_clamp`` (veRL's +-20), advantage A and rollout-correction factor rho_t
+(:mod:`.rollout_correction`; 1 without it):
 
-    l_t = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
-          + kl_coef * k3(ref || current) - entropy_coef * H_t
+    pg_t = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
+    pg_t = min(pg_t, -A clip_ratio_c)           where A < 0 (dual-clip, veRL's clip_ratio_c)
+    l_t  = rho_t pg_t + kl_coef * k3(ref || current) - entropy_coef * H_t
+
+Masked importance sampling (``mis_*``) removes the tokens it rejects from both sums below.
 
 ``token_mean`` returns (sum_t w_t l_t, #{t : w_t > 0}); Megatron's ``calculate_per_token_loss``
 sums both over micro-batches and data-parallel ranks and divides, which gives STAPO's
@@ -17,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from stapo_megatron.loss.rollout_correction import rollout_correction as correction_for
 from stapo_megatron.loss.token_rules import broadcast_advantages
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
@@ -40,6 +47,8 @@ def policy_loss(
     keep: torch.Tensor,
     eps_low: float = 0.2,
     eps_high: float = 0.28,
+    clip_ratio_c: float = 3.0,
+    log_ratio_clamp: float = 20.0,
     ref_logprob: Optional[torch.Tensor] = None,
     kl_coef: float = 0.0,
     entropy: Optional[torch.Tensor] = None,
@@ -48,12 +57,18 @@ def policy_loss(
     response_mask: Optional[torch.Tensor] = None,
     candidates: Optional[torch.Tensor] = None,
     tau_h: Optional[torch.Tensor] = None,
+    rollout_logprob: Optional[torch.Tensor] = None,
+    rollout_correction: str = "none",
+    rollout_correction_cap: float = 2.0,
+    rollout_correction_floor: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """(loss_sum, num_tokens, metrics) of one micro-batch; see the module docstring.
 
     ``advantages``: per token or per sequence. ``keep``: per-token weight (0 on padding and on
     silenced tokens). ``entropy`` must carry a gradient when ``entropy_coef`` > 0. ``response_mask``
     (default: the tokens with ``keep`` > 0), ``candidates`` and ``tau_h`` only feed the metrics.
+    ``rollout_logprob``: the engine's sampled log-probs, needed when ``rollout_correction`` is not
+    ``none`` (see :mod:`.rollout_correction`; ``cap`` and ``floor`` are its bounds).
 
     ``num_tokens`` is an int32 scalar tensor. ``metrics`` are fp64 scalar tensors that add up over
     micro-batches and ranks (:func:`~stapo_megatron.loss.metrics.reduce_metrics`): counts and sums,
@@ -62,25 +77,45 @@ def policy_loss(
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation: {aggregation!r} is not one of {', '.join(AGGREGATIONS)}")
     for name, t in (("old_logprob", old_logprob), ("keep", keep), ("ref_logprob", ref_logprob),
-                    ("entropy", entropy), ("response_mask", response_mask), ("candidates", candidates)):
+                    ("entropy", entropy), ("response_mask", response_mask), ("candidates", candidates),
+                    ("rollout_logprob", rollout_logprob)):
         _check_shape(name, t, logprob)
     if kl_coef and ref_logprob is None:
         raise ValueError("ref_logprob: needed when kl_coef > 0")
+    if clip_ratio_c <= 1:
+        raise ValueError(f"clip_ratio_c: must be > 1 (dual-clip caps -A r at -A clip_ratio_c), got {clip_ratio_c}")
+    if rollout_correction != "none" and rollout_logprob is None:
+        raise ValueError(f"rollout_logprob: needed when rollout_correction is {rollout_correction!r}")
     if entropy_coef and entropy is None:
         raise ValueError("entropy: needed (with a gradient) when entropy_coef > 0")
     if aggregation == "seq_mean_token_mean" and logprob.dim() != 2:
         raise ValueError(f"logprob: seq_mean_token_mean needs [sequences, tokens], got shape {tuple(logprob.shape)}")
     advantages = broadcast_advantages(advantages, logprob).to(torch.float32)
     weight = keep.to(torch.float32)
-    active = weight > 0
+    rule_kept = weight > 0
     zero = torch.zeros((), dtype=torch.float32, device=logprob.device)
+    real = rule_kept if response_mask is None else (response_mask if response_mask.dtype == torch.bool else response_mask != 0)
+    correction = None
+    if rollout_correction != "none":
+        correction = correction_for(
+            old_logprob, rollout_logprob, real | rule_kept, rollout_correction,
+            rollout_correction_cap, rollout_correction_floor,
+        )
+    active = rule_kept if correction is None else rule_kept & correction.accepted
 
     # Padding and silenced positions may hold anything: zero their log-ratios so that no inf/nan
-    # there can reach the sum or, through 0 * inf, the gradient.
+    # there can reach the sum or, through 0 * inf, the gradient. The clamp does the same for a
+    # ratio that would overflow exp on a kept token.
     log_ratio = torch.where(active, logprob.float() - old_logprob.float(), zero)
+    log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
     ratio = torch.exp(log_ratio)
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    pg = torch.maximum(-advantages * ratio, -advantages * clipped)
+    pg_clipped = torch.maximum(-advantages * ratio, -advantages * clipped)
+    dual_cap = -advantages * clip_ratio_c
+    dual_clipped = (advantages < 0) & (pg_clipped > dual_cap)
+    pg = torch.where(advantages < 0, torch.minimum(pg_clipped, dual_cap), pg_clipped)
+    if correction is not None:
+        pg = pg * correction.weight
     per_token = pg
     ref_kl = None
     if ref_logprob is not None:
@@ -102,24 +137,20 @@ def policy_loss(
 
     with torch.no_grad():
         metrics = _metrics(
-            active, weight, ratio, advantages, pg, log_ratio, eps_low, eps_high,
-            response_mask, candidates, tau_h, entropy, ref_kl, logprob,
+            active, rule_kept, weight, ratio, advantages, pg, log_ratio, eps_low, eps_high, dual_clipped,
+            real, candidates, tau_h, entropy, ref_kl, logprob, correction,
         )
         if aggregation == "seq_mean_token_mean":
             metrics["sequences"] = num_tokens.to(METRIC_DTYPE)
     return loss_sum, num_tokens, metrics
 
 
-def _metrics(active, weight, ratio, advantages, pg, log_ratio, eps_low, eps_high,
-             response_mask, candidates, tau_h, entropy, ref_kl, like):
+def _metrics(active, rule_kept, weight, ratio, advantages, pg, log_ratio, eps_low, eps_high, dual_clipped,
+             real, candidates, tau_h, entropy, ref_kl, like, correction):
     def total(x):
         return x.to(METRIC_DTYPE).sum()
 
-    if response_mask is None:
-        real = active
-    else:
-        real = response_mask if response_mask.dtype == torch.bool else response_mask != 0
-    silenced = real & ~active
+    silenced = real & ~rule_kept  # by the token rule; rollout-correction rejections are counted apart
     inf = torch.tensor(float("inf"), dtype=METRIC_DTYPE, device=like.device)
     m = {
         "response_tokens": total(real),
@@ -129,6 +160,8 @@ def _metrics(active, weight, ratio, advantages, pg, log_ratio, eps_low, eps_high
         # tokens whose gradient the clip removes: ratio beyond the bound on the side A pushes it
         "clip_low_tokens": total(active & (advantages < 0) & (ratio < 1.0 - eps_low)),
         "clip_high_tokens": total(active & (advantages > 0) & (ratio > 1.0 + eps_high)),
+        # A < 0 tokens whose loss the dual-clip caps at -A clip_ratio_c (no gradient there)
+        "dual_clip_tokens": total(active & dual_clipped),
         # k3 estimate of KL(old || current) at the old policy's samples
         "approx_kl_sum": total(torch.where(active, k3(log_ratio), 0)),
         "ratio_sum": total(torch.where(active, ratio, 0)),
@@ -150,4 +183,8 @@ def _metrics(active, weight, ratio, advantages, pg, log_ratio, eps_low, eps_high
         m["entropy_silenced_sum"] = torch.where(silenced, ent, 0).sum()
     if ref_kl is not None:
         m["ref_kl_sum"] = total(torch.where(active, ref_kl, 0))
+    if correction is not None:
+        m["rollout_rejected_tokens"] = total(real & rule_kept & ~correction.accepted)
+        m["rollout_truncated_tokens"] = total(active & correction.truncated)
+        m["rollout_weight_sum"] = total(torch.where(active, correction.weight, 0))
     return m

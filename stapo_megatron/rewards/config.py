@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from stapo_megatron.config import ConfigError, option
+from stapo_megatron.config import MAX_TOKENS, ConfigError, option
+from stapo_megatron.config.core import check_fields
 
 
 @dataclasses.dataclass
@@ -17,44 +18,46 @@ class RewardConfig:
         "or the whole response when it has none, must equal the answer string after whitespace "
         "normalization (the synthetic task; needs no workers)",
     )
-    num_workers: int = option(2, "worker processes that verify math answers; persistent across batches")
+    num_workers: int = option(
+        2, "worker processes that verify math answers; persistent across batches", ge=1, le=1024
+    )
     timeout_s: float = option(
-        5.0, "per-sample verification time limit in seconds; past it the sample gets reward 0 (reason 'timeout')"
+        5.0,
+        "per-sample verification time limit in seconds; past it the sample gets reward 0 (reason 'timeout')",
+        gt=0,
+        le=3600,
     )
     kill_grace_s: float = option(
         1.0,
         "a worker still busy timeout_s + kill_grace_s after starting a sample (stuck in code that cannot be "
         "interrupted) is killed and replaced",
+        ge=0,
+        le=3600,
     )
     max_answer_chars: int = option(
-        1000, "an answer (box content) longer than this gets reward 0 (reason 'too_long') without being parsed"
+        1000,
+        "an answer (box content) longer than this gets reward 0 (reason 'too_long') without being parsed",
+        ge=1,
+        le=MAX_TOKENS,
     )
-    prefetch: int = option(4, "samples queued to each worker ahead of the one it is verifying")
+    prefetch: int = option(4, "samples queued to each worker ahead of the one it is verifying", ge=1, le=1024)
     memory_limit_mb: int = option(
-        4096, "address-space limit of each worker in MiB, so a runaway expression fails instead of swapping; 0: none"
+        4096,
+        "address-space limit of each worker in MiB, so a runaway expression fails instead of swapping; 0: none",
+        ge=0,
+        le=1 << 24,
     )
     forbid_code_eval: bool = option(
         True,
         "after start-up, make eval/exec and sympy's sympify(str)/parse_expr raise inside the workers, as a "
         "second line of defence behind the parser that never calls them",
     )
-    cache_size: int = option(8192, "parsed answers and verdicts each worker keeps (LRU)")
+    cache_size: int = option(8192, "parsed answers and verdicts each worker keeps (LRU)", ge=0, le=1 << 24)
 
     def __post_init__(self):
-        if self.num_workers < 1:
-            raise ConfigError(f"num_workers: must be >= 1, got {self.num_workers}")
-        if not self.timeout_s > 0:
-            raise ConfigError(f"timeout_s: must be > 0, got {self.timeout_s}")
-        if self.kill_grace_s < 0:
-            raise ConfigError(f"kill_grace_s: must be >= 0, got {self.kill_grace_s}")
-        if self.max_answer_chars < 1:
-            raise ConfigError(f"max_answer_chars: must be >= 1, got {self.max_answer_chars}")
-        if self.prefetch < 1:
-            raise ConfigError(f"prefetch: must be >= 1, got {self.prefetch}")
-        if self.memory_limit_mb < 0 or 0 < self.memory_limit_mb < 512:
+        check_fields(self)  # RewardPool builds this section from its arguments, not through build()
+        if 0 < self.memory_limit_mb < 512:
             raise ConfigError(
                 f"memory_limit_mb: must be 0 (no limit) or >= 512 (a worker needs that much to start), "
                 f"got {self.memory_limit_mb}"
             )
-        if self.cache_size < 0:
-            raise ConfigError(f"cache_size: must be >= 0, got {self.cache_size}")

@@ -28,22 +28,24 @@ class AnswerSpan:
 
 
 def _last_command(text: str, end: int) -> tuple[int, int]:
-    """Start and length of the last box command that starts before ``end``; (-1, 0) if none."""
-    while end > 0:
-        best, length = -1, 0
-        for command in _COMMANDS:
-            at = text.rfind(command, 0, end)
-            if at > best:
-                best, length = at, len(command)
-        if best < 0:
+    """Start and length of the last box command that starts before ``end``; (-1, 0) if none.
+
+    One backward scan per command: each command's next occurrence is searched only to the left of
+    its previous one, so thousands of ``\\boxedfoo`` cost one pass over the text, not one each.
+    (An occurrence of one command cannot overlap another's: both start with the only backslash.)
+    """
+    found = [text.rfind(command, 0, end) for command in _COMMANDS]
+    while True:
+        at = max(found)
+        if at < 0:
             return -1, 0
-        after = best + length
+        index = found.index(at)
+        after = at + len(_COMMANDS[index])
         # \boxedfoo or \fboxsep is another command, not a box.
         if after < len(text) and text[after].isalpha():
-            end = best
+            found[index] = text.rfind(_COMMANDS[index], 0, at)
             continue
-        return best, length
-    return -1, 0
+        return at, len(_COMMANDS[index])
 
 
 def find_last_box(text: str, max_chars: int | None = None) -> AnswerSpan:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Optional
 
-from stapo_megatron.config.core import ConfigError, option
+from stapo_megatron.config.core import MAX_BATCH, MAX_SEED, MAX_TOKENS, ConfigError, check_fields, option
+from stapo_megatron.rollout.sglang_launch import KEY_ENV, key_flag_in
 
 MIB = 1 << 20
+MAX_WAIT_S = 7 * 24 * 3600.0  # longest timeout: a week
 
 WeightSyncMode = Literal["auto", "tensor", "distributed", "disk"]
 
@@ -26,15 +28,25 @@ class SGLangConfig:
         "", "Hugging Face model directory or hub name the launched servers load; required unless urls are given."
     )
     tokenizer_path: Optional[str] = option(None, "Tokenizer path passed to launched servers; None uses model_path.")
-    num_servers: int = option(1, "How many servers (engine groups) to launch; server i uses GPUs base_gpu_id + i*tp_size ..")
-    tp_size: int = option(1, "Tensor-parallel size of each launched server.")
-    base_gpu_id: int = option(0, "First GPU index (within CUDA_VISIBLE_DEVICES) the launched servers use.")
+    num_servers: int = option(
+        1, "How many servers (engine groups) to launch; server i uses GPUs base_gpu_id + i*tp_size ..", ge=1, le=1024
+    )
+    tp_size: int = option(1, "Tensor-parallel size of each launched server.", ge=1, le=1024)
+    base_gpu_id: int = option(
+        0, "First GPU index (within CUDA_VISIBLE_DEVICES) the launched servers use.", ge=0, le=1023
+    )
     host: str = option("127.0.0.1", "Address launched servers listen on.")
-    base_port: int = option(0, "Port of server 0 (server i uses base_port + i); 0 picks free ports.")
-    mem_fraction_static: float = option(0.8, "Fraction of GPU memory a launched server takes for weights and KV cache.")
+    base_port: int = option(0, "Port of server 0 (server i uses base_port + i); 0 picks free ports.", ge=0, le=65535)
+    mem_fraction_static: float = option(
+        0.8, "Fraction of GPU memory a launched server takes for weights and KV cache.", gt=0, lt=1
+    )
     dtype: str = option("auto", "Weight and activation dtype of launched servers (auto, bfloat16, float16, ...).")
-    context_length: Optional[int] = option(None, "Maximum context length of launched servers; None keeps the model's.")
-    random_seed: int = option(1234, "Base random seed of launched servers; server i gets random_seed + i.")
+    context_length: Optional[int] = option(
+        None, "Maximum context length of launched servers; None keeps the model's.", ge=1, le=MAX_TOKENS
+    )
+    random_seed: int = option(
+        1234, "Base random seed of launched servers; server i gets random_seed + i.", ge=0, le=MAX_SEED
+    )
     load_format: str = option(
         "", "--load-format of launched servers ('dummy' skips reading weights the trainer will send); '' = SGLang's default."
     )
@@ -51,38 +63,60 @@ class SGLangConfig:
     )
     server_command: list[str] = option(
         [],
-        "Program (argv prefix) that starts one server in place of `python -m sglang.launch_server`, e.g. a container "
-        "wrapper; the usual launch flags are appended.",
+        "Program (argv prefix) that starts one server in place of `python -m stapo_megatron.rollout.sglang_launch "
+        "sglang.launch_server`, e.g. a container wrapper; the usual launch flags are appended. The API key is not "
+        f"among them: it arrives in ${KEY_ENV} (a command line is readable by every local user), which the "
+        "sglang_launch wrapper turns into SGLang's key flags in-process.",
     )
-    extra_args: list[str] = option([], "Extra command-line arguments appended to every launch command.")
-    env: dict = option({}, "Extra environment variables for launched server processes (name -> value).")
+    extra_args: list[str] = option(
+        [], "Extra command-line arguments appended to every launch command (never an API key: see api_key)."
+    )
+    env: dict = option(
+        {}, "Extra environment variables for launched server processes (name -> value); secret: values are redacted "
+        "in written configs, logs and metrics.", secret=True,
+    )
     log_dir: str = option("", "Directory for one log file per launched server; '' makes a temporary directory.")
 
     # --- security ---
     api_key: Optional[str] = option(
         None,
         "API key the servers require (Bearer token). Launch mode generates a random per-run key when neither this nor "
-        "api_key_env is set; attach mode refuses weight updates without a key.",
+        "api_key_env is set; attach mode refuses weight updates without a key. Secret: redacted in written configs, "
+        "logs and metrics.",
+        secret=True,
     )
     api_key_env: str = option(
         "STAPO_SGLANG_API_KEY", "Environment variable read for the API key when api_key is unset (keeps it out of configs)."
     )
 
     # --- waiting and retrying ---
-    startup_timeout_s: float = option(900.0, "How long to wait for a server to answer /health and /health_generate.")
-    request_timeout_s: float = option(3600.0, "Time limit of one /generate HTTP request.")
-    control_timeout_s: float = option(300.0, "Time limit of one control request (pause, flush, weight update, memory).")
-    max_retries: int = option(3, "Retries of one /generate request after a transport error, 5xx or aborted sample.")
-    retry_backoff_s: float = option(1.0, "Pause before retrying a failed request.")
-    failure_threshold: int = option(
-        3, "Consecutive connection failures / 5xx after which a server whose process still runs counts as dead."
+    startup_timeout_s: float = option(
+        900.0, "How long to wait for a server to answer /health and /health_generate.", gt=0, le=MAX_WAIT_S
     )
-    flush_timeout_s: float = option(120.0, "How long to keep retrying /flush_cache while the server reports busy (400).")
-    shutdown_grace_s: float = option(30.0, "Seconds between SIGTERM and SIGKILL when stopping a launched server.")
+    request_timeout_s: float = option(3600.0, "Time limit of one /generate HTTP request.", gt=0, le=MAX_WAIT_S)
+    control_timeout_s: float = option(
+        300.0, "Time limit of one control request (pause, flush, weight update, memory).", gt=0, le=MAX_WAIT_S
+    )
+    max_retries: int = option(
+        3, "Retries of one /generate request after a transport error, 5xx or aborted sample.", ge=0, le=1000
+    )
+    retry_backoff_s: float = option(1.0, "Pause before retrying a failed request.", ge=0, le=3600)
+    failure_threshold: int = option(
+        3,
+        "Consecutive connection failures / 5xx after which a server whose process still runs counts as dead.",
+        ge=1,
+        le=1000,
+    )
+    flush_timeout_s: float = option(
+        120.0, "How long to keep retrying /flush_cache while the server reports busy (400).", gt=0, le=MAX_WAIT_S
+    )
+    shutdown_grace_s: float = option(
+        30.0, "Seconds between SIGTERM and SIGKILL when stopping a launched server.", ge=0, le=3600
+    )
 
     # --- batching ---
-    max_prompts_per_request: int = option(8, "Prompts sent in one batched /generate request.")
-    max_concurrent_requests_per_server: int = option(32, "Requests in flight to one server at a time.")
+    max_prompts_per_request: int = option(8, "Prompts sent in one batched /generate request.", ge=1, le=MAX_BATCH)
+    max_concurrent_requests_per_server: int = option(32, "Requests in flight to one server at a time.", ge=1, le=65536)
 
     # --- weight sync ---
     weight_sync: WeightSyncMode = option(
@@ -90,45 +124,37 @@ class SGLangConfig:
         "How new weights reach the servers: tensor (CUDA IPC, same node), distributed (NCCL broadcast), disk "
         "(safetensors + /update_weights_from_disk); auto = tensor when colocated, else distributed.",
     )
-    weight_bucket_bytes: int = option(512 * MIB, "Upper bound on the bytes of one weight-update bucket.")
+    weight_bucket_bytes: int = option(
+        512 * MIB, "Upper bound on the bytes of one weight-update bucket.", ge=1, le=1 << 40
+    )
     weight_sync_backend: Literal["nccl", "gloo"] = option(
         "nccl", "torch.distributed backend of the weight-update group (gloo only makes sense for CPU tests)."
     )
     weight_sync_master_address: str = option(
         "", "Address servers use to reach the trainer's weight-update store; '' = the local address that routes to them."
     )
-    weight_sync_port: int = option(0, "Port of the weight-update store; 0 picks a free one.")
-    weight_sync_timeout_s: float = option(600.0, "Time limit for joining the weight-update group and for one bucket.")
+    weight_sync_port: int = option(0, "Port of the weight-update store; 0 picks a free one.", ge=0, le=65535)
+    weight_sync_timeout_s: float = option(
+        600.0, "Time limit for joining the weight-update group and for one bucket.", gt=0, le=MAX_WAIT_S
+    )
     disk_sync_dir: str = option(
         "", "Directory for disk weight sync checkpoints (must be visible to every server); '' = a temporary directory."
     )
 
     def __post_init__(self):
+        check_fields(self)  # the engine is also given a section built directly, not through build()
         for i, url in enumerate(self.urls):
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"urls[{i}]: '{url}' must start with http:// or https://")
         if len(set(self.urls)) != len(self.urls):
             raise ConfigError("urls: the same server is listed twice")
-        for name in ("num_servers", "tp_size", "max_prompts_per_request", "max_concurrent_requests_per_server",
-                     "failure_threshold", "weight_bucket_bytes"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("base_gpu_id", "base_port", "max_retries", "weight_sync_port"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        if not 0.0 < self.mem_fraction_static < 1.0:
-            raise ConfigError(f"mem_fraction_static: must be in (0, 1), got {self.mem_fraction_static}")
-        if self.context_length is not None and self.context_length < 1:
-            raise ConfigError(f"context_length: must be >= 1, got {self.context_length}")
-        for name in ("startup_timeout_s", "request_timeout_s", "control_timeout_s", "flush_timeout_s",
-                     "weight_sync_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
-        for name in ("retry_backoff_s", "shutdown_grace_s"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.base_port and self.base_port + self.num_servers - 1 > 65535:
             raise ConfigError(f"base_port: {self.base_port} + {self.num_servers} servers runs past port 65535")
+        for name in ("server_command", "extra_args"):
+            flag = key_flag_in(getattr(self, name))
+            if flag:
+                raise ConfigError(f"{name}: {flag} would put the API key on a command line, readable by every local "
+                                  "user; set api_key or api_key_env instead")
         bad_env = [k for k, v in self.env.items() if not isinstance(k, str) or not isinstance(v, str)]
         if bad_env:
             raise ConfigError(f"env: names and values must be strings (bad entry: {bad_env[0]!r})")
@@ -152,11 +178,8 @@ class LocalEngineConfig:
     """The in-process engine (:class:`~stapo_megatron.rollout.local_engine.LocalEngine`)."""
 
     dtype: Literal["float32", "bfloat16", "float16"] = option("float32", "dtype of the in-process model.")
-    max_batch_size: int = option(256, "Most sequences decoded together in one forward pass.")
+    max_batch_size: int = option(256, "Most sequences decoded together in one forward pass.", ge=1, le=MAX_BATCH)
 
-    def __post_init__(self):
-        if self.max_batch_size < 1:
-            raise ConfigError(f"max_batch_size: must be >= 1, got {self.max_batch_size}")
 
 
 @dataclasses.dataclass

@@ -3,6 +3,9 @@
 For CPU runs, tests and small models. It takes the same (Hugging Face name, tensor) stream as
 SGLang, and reports for each sampled token the log-probability of the full distribution at the
 sampling temperature (before any top-p / top-k cut), which is what the trainer recomputes.
+Its sampler has temperature, top-p and top-k only: no min-p and no repetition, frequency or
+presence penalty, the same neutral settings the SGLang engine pins in every request
+(``sglang_engine.NEUTRAL_SAMPLING``).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ server reports through ``/server_info`` decides the weight-update session (0.5.2
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import logging
 import os
 import secrets
@@ -81,6 +82,22 @@ logger = logging.getLogger(__name__)
 SESSION_VERSION = (0, 5, 21)
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 _SEED_MODULUS = 2**31 - 1
+# Every other sampling parameter that shapes the distribution, pinned to "off" in each request:
+# SGLang fills what a request leaves out from --preferred-sampling-params (merged under the
+# request's own keys), so a server default such as min_p or a repetition penalty would make the
+# engine sample from something other than the trainer's softmax at the sampling temperature.
+NEUTRAL_SAMPLING = {
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "min_new_tokens": 0,
+    "ignore_eos": False,
+}
+# What each request sets besides NEUTRAL_SAMPLING (sampling_seed only when seeded).
+_REQUEST_SAMPLING_KEYS = {"n", "temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed"}
+# Server-preferred keys that cannot change which token is sampled or its log-prob.
+_OUTPUT_ONLY_SAMPLING_KEYS = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
 
 
 class _AbortedSample(Exception):
@@ -334,6 +351,7 @@ class SGLangEngine(RolloutEngine):
         if not isinstance(info, dict) or "version" not in info:
             raise SGLangResponseError(f"sglang server {server.url}/server_info carries no 'version'")
         server.version = parse_version(info["version"])
+        self._check_preferred_sampling(server, info.get("preferred_sampling_params"))
         server.tp_size = int(info.get("tp_size", server.tp_size))
         server.dp_size = int(info.get("dp_size", 1))
         if server.process is not None and server.tp_size != self.config.tp_size:
@@ -342,6 +360,30 @@ class SGLangEngine(RolloutEngine):
             )
         logger.info("sglang: %s runs SGLang %s (tp %d, dp %d)", server.url, info["version"], server.tp_size,
                     server.dp_size)
+
+    @staticmethod
+    def _check_preferred_sampling(server: _Server, preferred: Any) -> None:
+        """Refuse a server whose --preferred-sampling-params sets a key the requests do not pin: it
+        would silently change the sampling distribution (SGLang merges it under each request).
+        /generate's meta_info does not echo the sampling parameters, so /server_info is where the
+        server reports them."""
+        if isinstance(preferred, str) and preferred.strip():
+            try:
+                preferred = json.loads(preferred)
+            except ValueError:
+                raise SGLangResponseError(
+                    f"sglang server {server.url}/server_info: preferred_sampling_params is not JSON: {preferred[:200]!r}"
+                ) from None
+        if not preferred:
+            return
+        if not isinstance(preferred, dict):
+            raise SGLangResponseError(f"sglang server {server.url}/server_info: preferred_sampling_params is {preferred!r}")
+        unpinned = sorted(set(preferred) - set(NEUTRAL_SAMPLING) - _REQUEST_SAMPLING_KEYS - _OUTPUT_ONLY_SAMPLING_KEYS)
+        if unpinned:
+            raise SGLangServerError(
+                f"sglang server {server.describe()} sets preferred_sampling_params {unpinned}, which the rollout "
+                "requests do not override; they would change the sampling distribution (relaunch without them)"
+            )
 
     def _ensure_alive(self, server: _Server) -> None:
         """Before a weight update: recover a server that died since the last call."""
@@ -521,9 +563,10 @@ class SGLangEngine(RolloutEngine):
             "top_p": params.top_p,
             "top_k": params.top_k if params.top_k > 0 else -1,  # SGLang: -1 disables top-k
             "max_new_tokens": params.max_new_tokens,
+            # sent even when empty, so a server-preferred list cannot add stops
+            "stop_token_ids": [int(t) for t in params.stop_token_ids],
+            **NEUTRAL_SAMPLING,
         }
-        if params.stop_token_ids:
-            sampling["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
         size = self.config.max_prompts_per_request
         chunks = []
         for start in range(0, len(prompts), size):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -19,20 +20,23 @@ from typing import Sequence
 
 from stapo_megatron.rollout.config import SGLangConfig
 from stapo_megatron.rollout.sglang_client import SGLangServerError, TransportError, request
+from stapo_megatron.rollout.sglang_launch import KEY_ENV
 
 logger = logging.getLogger(__name__)
 
-SECRET_FLAGS = ("--api-key", "--admin-api-key")
-
 
 def default_server_command() -> list[str]:
-    return [sys.executable, "-m", "sglang.launch_server"]
+    """``sglang.launch_server`` started through the wrapper that hands it the key from the environment."""
+    return [sys.executable, "-m", "stapo_megatron.rollout.sglang_launch", "sglang.launch_server"]
 
 
 def build_launch_command(
     cfg: SGLangConfig, *, index: int, port: int, nccl_port: int, api_key: str
 ) -> tuple[list[str], dict[str, str]]:
-    """The argv and environment that start server ``index`` of ``cfg`` (nothing is executed)."""
+    """The argv and environment that start server ``index`` of ``cfg`` (nothing is executed).
+
+    The key travels in the environment (``KEY_ENV``), readable only by this user, never in argv.
+    """
     argv = list(cfg.server_command) or default_server_command()
     argv += [
         "--model-path", cfg.model_path,
@@ -47,11 +51,6 @@ def build_launch_command(
         "--nccl-port", str(nccl_port),
         # The trainer sends token ids and reads token ids: the server's tokenizer is never needed.
         "--skip-tokenizer-init",
-        # One key for both flags: with --admin-api-key set, control endpoints (weight updates,
-        # release/resume, pause, flush) accept only the admin key, so this keeps every route on one secret.
-        # The "=" form: a key that starts with "-" would otherwise be read as a flag.
-        f"--api-key={api_key}",
-        f"--admin-api-key={api_key}",
     ]
     if cfg.tokenizer_path:
         argv += ["--tokenizer-path", cfg.tokenizer_path]
@@ -69,24 +68,8 @@ def build_launch_command(
     argv += list(cfg.extra_args)
     env = dict(os.environ)
     env.update(cfg.env)
+    env[KEY_ENV] = api_key
     return argv, env
-
-
-def redact(argv: Sequence[str]) -> list[str]:
-    """``argv`` with the values of secret flags replaced, for logs."""
-    out: list[str] = []
-    hide_next = False
-    for arg in argv:
-        name = arg.split("=", 1)[0]
-        if hide_next:
-            out.append("<redacted>")
-            hide_next = False
-        elif name in SECRET_FLAGS and "=" in arg:
-            out.append(f"{name}=<redacted>")
-        else:
-            out.append(arg)
-            hide_next = name in SECRET_FLAGS
-    return out
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -133,9 +116,12 @@ class ServerProcess:
         self.starts = 0
 
     def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            header = f"=== start {self.starts + 1} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(redact(self.argv))}\n"
+        self.log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # 0600: a server's log holds its request errors and SGLang's settings; other users have no business there.
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with open(fd, "ab") as log:
+            os.fchmod(log.fileno(), 0o600)  # also a log left with wider permissions by an earlier run
+            header = f"=== start {self.starts + 1} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {shlex.join(self.argv)}\n"
             log.write(header.encode())
             log.flush()
             self.popen = subprocess.Popen(

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import sys
+import threading
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -11,22 +15,60 @@ import torch.multiprocessing as mp
 from stapo_megatron.config import ConfigError
 
 
-def kill_tree(pid: int, timeout: float = 30.0) -> None:
-    """SIGKILL a process and every descendant. torchrun starts each rank in a session of its own,
-    so killing torchrun's process group would leave the ranks running."""
+def kill_tree(pid: int, timeout: float = 30.0, include_root: bool = True) -> None:
+    """SIGKILL a process (unless ``include_root`` is false) and every descendant. torchrun starts
+    each rank in a session of its own, so killing torchrun's process group would leave the ranks
+    running."""
     import psutil
 
     try:
         root = psutil.Process(pid)
     except psutil.NoSuchProcess:
         return
-    processes = [root, *root.children(recursive=True)]
+    processes = [root, *root.children(recursive=True)] if include_root else root.children(recursive=True)
     for process in processes:
         try:
             process.kill()
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(processes, timeout=timeout)
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send ``sig`` to this process when the thread that started it ends (Linux)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(sig)) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
+def watch_launcher(pid: int, interval: float = 1.0) -> None:
+    """End this rank, and every process it started, once the launcher ``pid`` is gone.
+
+    A parent-death signal cannot do it: torchrun sits between the launcher and the ranks, and a
+    launcher killed with SIGKILL cannot forward anything. A daemon thread polls instead.
+    """
+    import psutil
+
+    def alive(launcher: psutil.Process) -> bool:
+        try:  # a killed launcher whose parent has not reaped it yet is a zombie
+            return launcher.is_running() and launcher.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def watch():
+        try:
+            launcher = psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            launcher = None
+        while launcher is not None and alive(launcher):
+            time.sleep(interval)
+        print(f"[stapo] the launcher (pid {pid}) is gone; ending rank {os.environ.get('RANK', '?')}", file=sys.stderr, flush=True)
+        kill_tree(os.getpid(), timeout=5.0, include_root=False)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="stapo-launcher-watch", daemon=True).start()
 
 
 def free_port() -> int:

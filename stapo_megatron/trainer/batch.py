@@ -12,10 +12,12 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from stapo_megatron.runtime.distributed import ParallelContext
+
 
 @dataclasses.dataclass
 class RolloutBatch:
-    """Every sampled response of a rollout step, identical on every rank after :meth:`broadcast`."""
+    """Every sampled response of a rollout step, identical on every rank after :func:`broadcast_rollouts`."""
 
     prompt_ids: list[list[int]]  # one per sequence (a prompt repeated G times)
     response_ids: list[list[int]]
@@ -42,15 +44,10 @@ class RolloutBatch:
             group_ids=self.group_ids[index],
         )
 
-    def broadcast(self, src: int = 0) -> "RolloutBatch":
-        """Send this batch from global rank ``src`` to every rank (as a few flat tensors)."""
-        return broadcast_rollouts(self if dist.get_rank() == src else None, src)
 
-
-def _flat(lists: list[list], dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = torch.tensor([len(x) for x in lists], dtype=torch.long)
-    values = torch.tensor([v for x in lists for v in x], dtype=dtype)
-    return values, lengths
+def _flat(lists: list[list], dtype) -> torch.Tensor:
+    # One small tensor per sequence, then one cat: C speed for millions of tokens.
+    return torch.cat([torch.tensor(x, dtype=dtype) for x in lists]) if lists else torch.empty(0, dtype=dtype)
 
 
 def _split(values: torch.Tensor, lengths: torch.Tensor) -> list[list]:
@@ -59,47 +56,74 @@ def _split(values: torch.Tensor, lengths: torch.Tensor) -> list[list]:
     return [chunk.tolist() for chunk in torch.split(values, lengths.tolist())]
 
 
-def broadcast_rollouts(batch: RolloutBatch | None, src: int = 0, device: torch.device | None = None) -> RolloutBatch:
-    device = device or torch.device("cpu")
-    is_src = dist.get_rank() == src
-    if is_src:
-        prompts, prompt_lengths = _flat(batch.prompt_ids, torch.long)
-        responses, response_lengths = _flat(batch.response_ids, torch.long)
-        logprobs, _ = _flat(batch.rollout_logprobs, torch.float32)
-        per_sequence = torch.stack(
-            [batch.truncated.float(), batch.rewards.float(), batch.correct.float(), batch.advantages.float(), batch.group_ids.float()]
-        )
-        sizes = torch.tensor([len(batch), prompts.numel(), responses.numel()], dtype=torch.long)
-    else:
-        sizes = torch.zeros(3, dtype=torch.long)
-    sizes = sizes.to(device)
-    dist.broadcast(sizes, src)
+def pack_rollouts(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch as ``(sizes, integers, floats)``: three flat CPU tensors that :func:`unpack_rollouts` reverses.
+
+    sizes = [N, prompt tokens, response tokens]; integers = prompt lengths, response lengths,
+    prompt tokens, response tokens, group ids, truncated; floats = rollout log-probs, rewards,
+    correct, advantages.
+    """
+    prompt_lengths = torch.tensor([len(x) for x in batch.prompt_ids], dtype=torch.long)
+    response_lengths = torch.tensor([len(x) for x in batch.response_ids], dtype=torch.long)
+    prompts, responses = _flat(batch.prompt_ids, torch.long), _flat(batch.response_ids, torch.long)
+    logprobs = _flat(batch.rollout_logprobs, torch.float32)
+    if logprobs.numel() != responses.numel():
+        raise ValueError(f"rollout_logprobs: {logprobs.numel()} values for {responses.numel()} response tokens")
+    integers = torch.cat([prompt_lengths, response_lengths, prompts, responses, batch.group_ids.long(), batch.truncated.long()])
+    floats = torch.cat([logprobs, batch.rewards.float(), batch.correct.float(), batch.advantages.float()])
+    sizes = torch.tensor([len(batch), prompts.numel(), responses.numel()], dtype=torch.long)
+    return sizes, integers, floats
+
+
+def unpack_rollouts(sizes: torch.Tensor, integers: torch.Tensor, floats: torch.Tensor) -> RolloutBatch:
     count, num_prompt_tokens, num_response_tokens = sizes.tolist()
-    if not is_src:
-        prompt_lengths = torch.empty(count, dtype=torch.long)
-        response_lengths = torch.empty(count, dtype=torch.long)
-        prompts = torch.empty(num_prompt_tokens, dtype=torch.long)
-        responses = torch.empty(num_response_tokens, dtype=torch.long)
-        logprobs = torch.empty(num_response_tokens, dtype=torch.float32)
-        per_sequence = torch.empty(5, count, dtype=torch.float32)
-    tensors = [prompt_lengths, response_lengths, prompts, responses, logprobs, per_sequence]
-    for i, tensor in enumerate(tensors):
-        on_device = tensor.to(device)
-        dist.broadcast(on_device, src)
-        tensors[i] = on_device.cpu()
-    prompt_lengths, response_lengths, prompts, responses, logprobs, per_sequence = tensors
-    if is_src:
-        return batch
+    prompt_lengths, response_lengths, prompts, responses, group_ids, truncated = torch.split(
+        integers, [count, count, num_prompt_tokens, num_response_tokens, count, count]
+    )
+    logprobs, rewards, correct, advantages = torch.split(floats, [num_response_tokens, count, count, count])
     return RolloutBatch(
         prompt_ids=_split(prompts, prompt_lengths),
         response_ids=_split(responses, response_lengths),
         rollout_logprobs=_split(logprobs, response_lengths),
-        truncated=per_sequence[0].bool(),
-        rewards=per_sequence[1],
-        correct=per_sequence[2],
-        advantages=per_sequence[3],
-        group_ids=per_sequence[4].long(),
+        truncated=truncated.bool(),
+        rewards=rewards.clone(),
+        correct=correct.clone(),
+        advantages=advantages.clone(),
+        group_ids=group_ids.clone(),
     )
+
+
+def _packed_lengths(sizes: torch.Tensor) -> tuple[int, int]:
+    count, num_prompt_tokens, num_response_tokens = sizes.tolist()
+    return 4 * count + num_prompt_tokens + num_response_tokens, 3 * count + num_response_tokens
+
+
+def broadcast_rollouts(ctx: ParallelContext, batch: RolloutBatch | None, src: int = 0) -> RolloutBatch:
+    """Global rank ``src``'s ``batch`` on every rank (the others pass None); collective over every rank.
+
+    The three sizes go over the gloo group (CPU metadata); the tokens go as two flat tensors on
+    ``ctx.device`` over the world group: at scale (2,048 responses of 16k tokens, ~400 MB) NCCL
+    moves them in a fraction of a second, where pickling them over gloo's TCP would take many.
+    ``src`` keeps its own batch; the others get the same values in the dtypes of :class:`RolloutBatch`.
+    """
+    is_src = ctx.rank == src
+    if is_src:
+        sizes, integers, floats = pack_rollouts(batch)
+    else:
+        sizes = torch.zeros(3, dtype=torch.long)
+    dist.broadcast(sizes, src=src, group=ctx.cpu_group)
+    num_integers, num_floats = _packed_lengths(sizes)
+    if is_src:
+        integers, floats = integers.to(ctx.device), floats.to(ctx.device)
+    else:
+        integers = torch.empty(num_integers, dtype=torch.long, device=ctx.device)
+        floats = torch.empty(num_floats, dtype=torch.float32, device=ctx.device)
+    for tensor in (integers, floats):
+        if tensor.numel():  # every rank knows the sizes: an empty step skips alike everywhere
+            dist.broadcast(tensor, src=src, group=ctx.world_group)
+    if is_src:
+        return batch
+    return unpack_rollouts(sizes, integers.cpu(), floats.cpu())
 
 
 def partition_for_rank(num_sequences: int, lengths: Sequence[int], rank: int, world: int) -> list[int]:

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from stapo_megatron.config import ConfigError, option
+from stapo_megatron.config import MAX_BATCH, MAX_SEED, MAX_STEPS, MAX_TOKENS, MAX_VOCAB, ConfigError, option
 from stapo_megatron.data.config import DataConfig
 from stapo_megatron.eval.config import EvalConfig
 from stapo_megatron.loss.config import AlgoConfig
@@ -16,17 +16,23 @@ from stapo_megatron.rewards.config import RewardConfig
 from stapo_megatron.rollout.config import RolloutConfig
 from stapo_megatron.runtime.distributed import ParallelConfig
 
+MAX_GROUP = 4096  # responses per prompt
+
 
 @dataclasses.dataclass
 class RunConfig:
     name: str = option("stapo", "Run name: names the output directory and the experiment in loggers.")
     output_dir: str = option("", "Directory of metrics, checkpoints and dumps; '' means runs/<name>.")
-    steps: int = option(300, "Rollout steps to train for (each: sample, score, one or more optimizer steps).")
-    seed: int = option(1234, "Seed of model initialisation, sampling and Megatron's RNG tracker.")
+    steps: int = option(
+        300, "Rollout steps to train for (each: sample, score, one or more optimizer steps).", ge=1, le=MAX_STEPS
+    )
+    seed: int = option(1234, "Seed of model initialisation, sampling and Megatron's RNG tracker.", ge=0, le=MAX_SEED)
+    hang_timeout_s: float = option(
+        1200.0, "A rank that makes no progress (no phase of a step starts, no checkpoint completes) for this long "
+        "ends the run with exit code 75, naming the phase and step; below parallel.timeout_minutes.", gt=0
+    )
 
     def __post_init__(self):
-        if self.steps < 1:
-            raise ConfigError(f"steps: must be >= 1, got {self.steps}")
         if not self.name or "/" in self.name:
             raise ConfigError(f"name: must be a non-empty name without '/', got {self.name!r}")
 
@@ -37,36 +43,40 @@ class RunConfig:
 
 @dataclasses.dataclass
 class BatchConfig:
-    prompts_per_step: int = option(256, "Prompts sampled per rollout step (the paper: 256).")
-    group_size: int = option(8, "Responses sampled per prompt, G (the paper: 8).")
+    prompts_per_step: int = option(256, "Prompts sampled per rollout step (the paper: 256).", ge=1, le=MAX_BATCH)
+    group_size: int = option(8, "Responses sampled per prompt, G (the paper: 8).", ge=1, le=MAX_GROUP)
     prompts_per_minibatch: int = option(
-        64, "Prompts per optimizer step; prompts_per_step / prompts_per_minibatch optimizer steps per rollout step."
+        64,
+        "Prompts per optimizer step; prompts_per_step / prompts_per_minibatch optimizer steps per rollout step.",
+        ge=1,
+        le=MAX_BATCH,
     )
-    micro_batch_size: int = option(4, "Sequences per micro-batch on each data-parallel rank.")
-    max_new_tokens: int = option(15360, "Longest response in tokens; longer ones are cut (finish reason 'length').")
-    temperature: float = option(1.0, "Sampling temperature of rollouts; log-probs are computed at the same temperature.")
-    top_p: float = option(1.0, "Nucleus sampling of rollouts (1.0: off).")
-    top_k: int = option(-1, "Top-k sampling of rollouts (<= 0: off).")
-    stop_token_ids: list[int] = option([], "Token ids that end a response; empty: the tokenizer's end-of-text tokens.")
+    micro_batch_size: int = option(4, "Sequences per micro-batch on each data-parallel rank.", ge=1, le=MAX_BATCH)
+    max_new_tokens: int = option(
+        15360, "Longest response in tokens; longer ones are cut (finish reason 'length').", ge=1, le=MAX_TOKENS
+    )
+    temperature: float = option(
+        1.0, "Sampling temperature of rollouts; log-probs are computed at the same temperature.", gt=0, le=100
+    )
+    top_p: float = option(1.0, "Nucleus sampling of rollouts (1.0: off).", gt=0, le=1)
+    top_k: int = option(-1, "Top-k sampling of rollouts (<= 0: off).", ge=-1, le=MAX_VOCAB)
+    stop_token_ids: list[int] = option(
+        [], "Token ids that end a response; empty: the tokenizer's end-of-text tokens.", ge=0, lt=MAX_VOCAB
+    )
     max_sampling_rounds: int = option(
-        4, "With dynamic sampling: most rounds of sampling per step to fill the batch with informative groups."
+        4,
+        "With dynamic sampling: most rounds of sampling per step to fill the batch with informative groups.",
+        ge=1,
+        le=1000,
     )
 
     def __post_init__(self):
-        for name in ("prompts_per_step", "group_size", "prompts_per_minibatch", "micro_batch_size", "max_new_tokens",
-                     "max_sampling_rounds"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.group_size < 2:
             raise ConfigError(f"group_size: group-relative advantages need at least 2 responses per prompt, got {self.group_size}")
         if self.prompts_per_step % self.prompts_per_minibatch:
             raise ConfigError(
                 f"prompts_per_minibatch: {self.prompts_per_minibatch} does not divide prompts_per_step {self.prompts_per_step}"
             )
-        if self.temperature <= 0:
-            raise ConfigError(f"temperature: must be > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p: must be in (0, 1], got {self.top_p}")
 
     @property
     def minibatches_per_step(self) -> int:
@@ -82,42 +92,51 @@ class ComputeConfig:
         "none", "Activation recomputation: none, selective (attention core) or full (every layer)."
     )
     logits_chunk_size: int = option(
-        256, "Tokens per chunk when computing log-probs and entropies from the vocabulary-parallel logits."
+        256,
+        "Tokens per chunk when computing log-probs and entropies from the vocabulary-parallel logits.",
+        ge=1,
+        le=MAX_TOKENS,
     )
-
-    def __post_init__(self):
-        if self.logits_chunk_size < 1:
-            raise ConfigError(f"logits_chunk_size: must be >= 1, got {self.logits_chunk_size}")
 
 
 @dataclasses.dataclass
 class OptimConfig:
-    lr: float = option(1e-6, "Peak learning rate of AdamW.")
-    min_lr: float = option(0.0, "Learning rate at the end of decay (with a decaying schedule).")
-    warmup_steps: int = option(10, "Optimizer steps of linear warm-up from 0 to lr.")
+    lr: float = option(
+        1e-6,
+        "Peak learning rate of AdamW. Changed on resume, it takes effect (as do min_lr, warmup_steps, schedule "
+        "and weight_decay), at the checkpoint's point in the schedule.",
+        gt=0,
+    )
+    min_lr: float = option(0.0, "Learning rate at the end of decay (with a decaying schedule).", ge=0)
+    warmup_steps: int = option(
+        10,
+        "Training (rollout) steps of linear warm-up from 0 to lr. The schedule advances once per training "
+        "step, after all of its mini-batches (as veRL, the paper's trainer), not once per optimizer step; "
+        "the decay after it also runs over run.steps.",
+        ge=0,
+        le=MAX_STEPS,
+    )
     schedule: Literal["constant", "cosine", "linear"] = option("constant", "Learning-rate schedule after warm-up.")
-    weight_decay: float = option(0.01, "AdamW decoupled weight decay.")
-    beta1: float = option(0.9, "AdamW beta1.")
-    beta2: float = option(0.999, "AdamW beta2.")
-    eps: float = option(1e-8, "AdamW epsilon.")
-    clip_grad: float = option(1.0, "Global gradient-norm clipping threshold (0: off).")
+    weight_decay: float = option(0.01, "AdamW decoupled weight decay.", ge=0, le=1)
+    beta1: float = option(0.9, "AdamW beta1.", ge=0, lt=1)
+    beta2: float = option(0.999, "AdamW beta2.", ge=0, lt=1)
+    eps: float = option(1e-8, "AdamW epsilon.", gt=0, le=1)
+    clip_grad: float = option(1.0, "Global gradient-norm clipping threshold (0: off).", ge=0)
     distributed: bool = option(True, "Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer).")
 
     def __post_init__(self):
-        if self.lr <= 0:
-            raise ConfigError(f"lr: must be > 0, got {self.lr}")
-        if not 0 <= self.min_lr <= self.lr:
+        if self.min_lr > self.lr:
             raise ConfigError(f"min_lr: must be in [0, lr], got {self.min_lr}")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
-        if self.clip_grad < 0:
-            raise ConfigError(f"clip_grad: must be >= 0, got {self.clip_grad}")
 
 
 @dataclasses.dataclass
 class CheckpointConfig:
-    save_every: int = option(50, "Save a checkpoint every this many rollout steps (0: only at the end and on Ctrl-C).")
-    keep_last: int = option(3, "Complete checkpoints kept; older ones are deleted once a newer one is whole.")
+    save_every: int = option(
+        50, "Save a checkpoint every this many rollout steps (0: only at the end and on Ctrl-C).", ge=0, le=MAX_STEPS
+    )
+    keep_last: int = option(
+        3, "Complete checkpoints kept; older ones are deleted once a newer one is whole.", ge=1, le=10_000
+    )
     resume: Literal["auto", "never", "required"] = option(
         "auto", "auto: continue from the run's latest complete checkpoint when there is one; required: fail without one."
     )
@@ -125,10 +144,6 @@ class CheckpointConfig:
     load_megatron: str = option("", "Start from this Megatron checkpoint (written by stapo convert or a previous run; any TP/PP).")
 
     def __post_init__(self):
-        if self.save_every < 0:
-            raise ConfigError(f"save_every: must be >= 0, got {self.save_every}")
-        if self.keep_last < 1:
-            raise ConfigError(f"keep_last: must be >= 1, got {self.keep_last}")
         if self.load_hf and self.load_megatron:
             raise ConfigError("load_hf: give either load_hf or load_megatron, not both")
 
@@ -139,23 +154,22 @@ class LoggingConfig:
     wandb_project: str = option("", "Log to this Weights & Biases project ('' : off; needs the wandb extra).")
     wandb_entity: str = option("", "Weights & Biases entity (team) of the project.")
     progress_bar: bool = option(True, "Show a progress bar on the console (rank 0).")
-    inspect_every: int = option(10, "Save the silenced tokens with their context every this many steps (0: never).")
-    inspect_context_tokens: int = option(16, "Tokens of context saved on each side of a silenced token.")
-
-    def __post_init__(self):
-        if self.inspect_every < 0:
-            raise ConfigError(f"inspect_every: must be >= 0, got {self.inspect_every}")
+    inspect_every: int = option(
+        10, "Save the silenced tokens with their context every this many steps (0: never).", ge=0, le=MAX_STEPS
+    )
+    inspect_context_tokens: int = option(
+        16, "Tokens of context saved on each side of a silenced token.", ge=0, le=MAX_TOKENS
+    )
 
 
 @dataclasses.dataclass
 class FaultConfig:
     max_skipped_steps: int = option(
-        5, "Optimizer steps skipped for a NaN/inf loss or gradient before training stops with an error."
+        5,
+        "Optimizer steps skipped for a NaN/inf loss or gradient before training stops with an error.",
+        ge=0,
+        le=MAX_STEPS,
     )
-
-    def __post_init__(self):
-        if self.max_skipped_steps < 0:
-            raise ConfigError(f"max_skipped_steps: must be >= 0, got {self.max_skipped_steps}")
 
 
 @dataclasses.dataclass
@@ -175,3 +189,10 @@ class TrainConfig:
     logging: LoggingConfig = option(doc="Metrics sinks and the spurious-token inspector.", factory=LoggingConfig)
     eval: EvalConfig = option(doc="Periodic evaluation during training.", factory=EvalConfig)
     faults: FaultConfig = option(doc="What to tolerate before stopping.", factory=FaultConfig)
+
+    def __post_init__(self):
+        collective_s = self.parallel.timeout_minutes * 60
+        if self.run.hang_timeout_s >= collective_s:
+            # a hung collective would end the run first, with no message naming the phase
+            raise ConfigError(f"run.hang_timeout_s: {self.run.hang_timeout_s:g} s must be below the collective timeout "
+                              f"parallel.timeout_minutes={self.parallel.timeout_minutes} ({collective_s} s)")

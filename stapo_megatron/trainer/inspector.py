@@ -17,14 +17,19 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from stapo_megatron.runtime.distributed import ParallelContext
+from stapo_megatron.runtime.run_files import atomic_open
+from stapo_megatron.trainer.metrics import read_jsonl
+
 DUMP_DIR = "spurious"
 
 
 class SpuriousTokenDump:
-    def __init__(self, run_dir: Path, tokenizer, context_tokens: int):
+    def __init__(self, run_dir: Path, tokenizer, context_tokens: int, ctx: ParallelContext):
         self.directory = Path(run_dir) / DUMP_DIR
         self.tokenizer = tokenizer
         self.context = context_tokens
+        self.ctx = ctx
 
     def _entries(self, step, minibatches, stats_per_minibatch, selections_per_minibatch, batch) -> list[dict]:
         entries = []
@@ -59,33 +64,29 @@ class SpuriousTokenDump:
         return entries
 
     def dump(self, step, minibatches, stats_per_minibatch, selections_per_minibatch, batch) -> None:
-        """Collective over the last stage's data-parallel group; its first rank writes the file."""
-        from megatron.core import parallel_state as ps
-
-        if not ps.is_pipeline_last_stage() or ps.get_tensor_model_parallel_rank() != 0:
+        """Collective over the last stage's data-parallel group (the entries are Python objects:
+        its gloo group); its first rank writes the file."""
+        ctx = self.ctx
+        if not ctx.is_last_stage or ctx.tp_rank != 0:
             return
         entries = self._entries(step, minibatches, stats_per_minibatch, selections_per_minibatch, batch)
-        group = ps.get_data_parallel_group()
-        gathered = [None] * dist.get_world_size(group) if ps.get_data_parallel_rank() == 0 else None
+        group = ctx.dp_cpu_group
+        gathered = [None] * ctx.dp_size if ctx.dp_rank == 0 else None
         dist.gather_object(entries, gathered, dst=dist.get_global_rank(group, 0), group=group)
-        if ps.get_data_parallel_rank() != 0:
+        if ctx.dp_rank != 0:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.directory / f"step_{step:07d}.jsonl"
-        temporary = path.with_suffix(".jsonl.tmp")
-        with open(temporary, "w", encoding="utf-8") as f:
+        with atomic_open(self.directory / f"step_{step:07d}.jsonl") as f:
             for rank_entries in gathered:
                 for entry in rank_entries:
                     f.write(json.dumps(entry, ensure_ascii=False) + "\n")
-        os.replace(temporary, path)
 
 
 def read_dumps(run_dir: str | os.PathLike) -> list[dict]:
     directory = Path(run_dir) / DUMP_DIR
     entries = []
     for path in sorted(directory.glob("step_*.jsonl")):
-        with open(path, encoding="utf-8") as f:
-            entries.extend(json.loads(line) for line in f if line.strip())
+        entries.extend(read_jsonl(path))
     return entries
 
 

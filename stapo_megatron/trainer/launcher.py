@@ -1,29 +1,41 @@
 """``stapo train``: load and check the config, then run the ranks (starting them when needed).
 
 Inside an existing launch (torchrun, or SLURM through NeMo-Run's torchrun) this process is one
-rank. Otherwise ``stapo train`` starts torchrun with one process per rank in a session of its
-own: Ctrl-C then asks the ranks to stop after the current step and write a checkpoint (a second
-Ctrl-C stops them at once).
+rank. Otherwise ``stapo train`` checks the data, takes the run directory's lock (one run per
+directory, see :mod:`stapo_megatron.runtime.run_lock`) and starts torchrun with one process per
+rank in a session of its own, handing the ranks a private copy of the config. The ranks end when
+this process ends, however it ends. Ctrl-C asks the ranks to stop after the current step and
+write a checkpoint; a second Ctrl-C stops them at once (exit status 130).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from importlib import resources
 from pathlib import Path
 
 import yaml
 
-from stapo_megatron.config import load_config, to_dict
-from stapo_megatron.runtime.launch import kill_tree
+from stapo_megatron.config import ConfigError, load_config, to_dict
+from stapo_megatron.runtime.launch import kill_tree, watch_launcher
+from stapo_megatron.runtime.run_files import atomic_open
+from stapo_megatron.runtime.run_lock import GUARD_FILE, LOCK_FILE, TOKEN_ENV, RunLock
 from stapo_megatron.trainer.config import TrainConfig
 from stapo_megatron.trainer.validation import check_train_config
 
 DEFAULT_CONFIG = "tiny_cpu.yaml"
 RESOLVED_CONFIG = "config.yaml"
+STOP_FILE = "STOP"
+ARCHIVE_DIR = "archive"
+LAUNCHER_PID_ENV = "STAPO_LAUNCHER_PID"
+# What belongs to the directory rather than to one run: kept in place by --overwrite.
+_DIRECTORY_ENTRIES = {ARCHIVE_DIR, LOCK_FILE, GUARD_FILE}
 
 
 def default_config_path() -> Path:
@@ -45,30 +57,90 @@ def write_resolved_config(cfg: TrainConfig) -> Path:
     directory = cfg.run.directory
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / RESOLVED_CONFIG
-    temporary = path.with_suffix(".yaml.tmp")
-    with open(temporary, "w", encoding="utf-8") as f:
-        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
-    os.replace(temporary, path)
+    with atomic_open(path) as f:
+        yaml.safe_dump(to_dict(cfg, redact=True), f, sort_keys=False)  # for people: secrets hidden
     return path
 
 
-def run_rank(cfg: TrainConfig) -> None:
+def check_data(cfg: TrainConfig) -> None:
+    """Load the training prompts as rank 0 will, so that a bad data path, file or row fails here
+    in seconds rather than after torchrun and the model have started."""
+    from stapo_megatron.data.prompts import build_prompt_dataset
+    from stapo_megatron.data.records import DataError
+    from stapo_megatron.trainer.trainer import build_tokenizer
+
+    try:
+        tokenizer = build_tokenizer(cfg)
+    except OSError as err:
+        raise ConfigError(f"tokenizer: cannot load {cfg.tokenizer or cfg.checkpoint.load_hf}: {str(err).splitlines()[0]}") from None
+    try:
+        build_prompt_dataset(cfg.data, tokenizer)
+    except DataError as err:
+        raise ConfigError(f"data.source: {str(err).splitlines()[0]}") from None
+
+
+def prepare_run_directory(cfg: TrainConfig, overwrite: bool) -> None:
+    """Under the run's lock, before any rank reads the directory: refuse to start a new run on
+    top of an old run's checkpoints unless ``overwrite`` (which moves the old run to
+    ``<run>/archive/<time>/``), and drop a stop request left by an earlier run."""
+    from stapo_megatron.trainer.checkpointing import Checkpointer
+
+    directory = cfg.run.directory
+    steps = Checkpointer(directory, cfg.checkpoint.keep_last).complete_steps()
+    if cfg.checkpoint.resume == "never" and steps and not overwrite:
+        raise ConfigError(
+            f"{directory}: has checkpoints up to step {steps[-1]} of an earlier run; starting afresh on top of them "
+            "mixes two runs: add --overwrite to move them to <run>/archive/ first, or choose another run.output_dir"
+        )
+    old = sorted(p for p in directory.iterdir() if p.name not in _DIRECTORY_ENTRIES) if overwrite else []
+    if old:
+        archive = directory / ARCHIVE_DIR / time.strftime("%Y%m%d-%H%M%S")
+        archive.mkdir(parents=True)
+        for entry in old:
+            entry.rename(archive / entry.name)
+        print(f"[stapo] --overwrite: moved the earlier run ({', '.join(p.name for p in old)}) to {archive}", flush=True)
+    stop_file = directory / STOP_FILE
+    if stop_file.exists():
+        stop_file.unlink()
+        print(f"[stapo] removed {stop_file}, a stop request left by an earlier run", flush=True)
+
+
+@contextlib.contextmanager
+def _rank_owns_directory(cfg: TrainConfig, overwrite: bool):
+    """Rank 0 of an outside launch (torchrun, SLURM) takes the lock and prepares the directory;
+    under ``stapo train``, whose token is in the environment, the launcher already did both."""
+    if os.environ.get("RANK") != "0" or os.environ.get(TOKEN_ENV):
+        yield
+        return
+    with RunLock.acquire(cfg.run.directory):
+        prepare_run_directory(cfg, overwrite)
+        yield
+
+
+def run_rank(cfg: TrainConfig, overwrite: bool = False) -> None:
     from stapo_megatron.trainer.trainer import Trainer
 
-    Trainer(cfg).train()
+    if LAUNCHER_PID_ENV in os.environ:
+        watch_launcher(int(os.environ[LAUNCHER_PID_ENV]))
+    with _rank_owns_directory(cfg, overwrite):
+        Trainer(cfg).train()
 
 
-def launch(cfg: TrainConfig, resolved: Path) -> int:
-    """Start torchrun for ``cfg``'s world size and wait. The first Ctrl-C (or SIGTERM) asks the
-    ranks to stop after the current step and checkpoint; the second kills them."""
+def _write_private_config(cfg: TrainConfig, directory: str) -> Path:
+    """The ranks' config: this launcher's own copy (0600, in a 0700 directory) that no other run
+    can replace, with every value the ranks need (secrets too, unlike <run>/config.yaml)."""
+    path = Path(directory) / RESOLVED_CONFIG
+    with open(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600), "w", encoding="utf-8") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    return path
+
+
+def launch(cfg: TrainConfig, lock: RunLock) -> int:
+    """Start torchrun for ``cfg``'s world size and wait; returns its exit status. The first
+    Ctrl-C (or SIGTERM) asks the ranks to stop after the current step and checkpoint; the second
+    kills them, and the status is then 128 + the signal."""
     world = cfg.parallel.world_size
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-        "-m", "stapo_megatron.trainer.main", "--config", str(resolved),
-    ]
-    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    process = subprocess.Popen(command, env=env, start_new_session=True)
-    stop_file = cfg.run.directory / "STOP"
+    stop_file = cfg.run.directory / STOP_FILE
     signals = []
 
     def on_signal(signum, frame):
@@ -79,32 +151,60 @@ def launch(cfg: TrainConfig, resolved: Path) -> int:
         else:
             kill_tree(process.pid)
 
-    # Set explicitly: a shell that starts this in the background would otherwise leave SIGINT ignored.
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return process.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with tempfile.TemporaryDirectory(prefix="stapo-launch-") as private:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+            "-m", "stapo_megatron.trainer.main", "--config", str(_write_private_config(cfg, private)),
+        ]
+        env = {
+            **os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            LAUNCHER_PID_ENV: str(os.getpid()), TOKEN_ENV: lock.holder.token,
+        }
+        process = subprocess.Popen(command, env=env, start_new_session=True)
+        # Set explicitly: a shell that starts this in the background would otherwise leave SIGINT ignored.
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            code = process.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            # A request that the killed ranks never read must not stop the next run.
+            stop_file.unlink(missing_ok=True)
+    if len(signals) > 1:
+        print(f"[stapo] killed by a second {signal.Signals(signals[-1]).name}; no final checkpoint was written",
+              file=sys.stderr, flush=True)
+        return 128 + signals[-1]
+    return code
 
 
 def run_train(args) -> None:
+    # The run directory, checkpoints, configs and logs of this process and its ranks and servers:
+    # this user's only (0700 directories, 0600 files).
+    os.umask(0o077)
+    if args.overwrite and args.resume == "required":
+        raise ConfigError("--overwrite starts the run afresh; it cannot be combined with --resume")
     overrides = list(args.overrides)
-    if args.resume is not None:
-        overrides.append(f"checkpoint.resume={args.resume}")
+    resume = "never" if args.overwrite else args.resume
+    if resume is not None:
+        overrides.append(f"checkpoint.resume={resume}")
     cfg = load_train_config(args.config, overrides)
     if _inside_launch():
-        run_rank(cfg)
+        run_rank(cfg, args.overwrite)
         return
-    resolved = write_resolved_config(cfg)
-    if cfg.parallel.world_size == 1:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        from stapo_megatron.runtime.launch import free_port
+    check_data(cfg)
+    with RunLock.acquire(cfg.run.directory) as lock:
+        prepare_run_directory(cfg, args.overwrite)
+        write_resolved_config(cfg)
+        if cfg.parallel.world_size > 1:
+            code = launch(cfg, lock)
+        else:
+            from stapo_megatron.runtime.launch import free_port
 
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        run_rank(cfg)
-        return
-    code = launch(cfg, resolved)
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+            os.environ[TOKEN_ENV] = lock.holder.token
+            run_rank(cfg)
+            code = 0
     if code:
         raise SystemExit(code)
 
@@ -123,5 +223,9 @@ def register(subparsers) -> None:
     resume.add_argument("--no-resume", dest="resume", action="store_const", const="never",
                         help="start from the initial weights even if the run has checkpoints")
     parser.set_defaults(resume=None)
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo=grpo optim.lr=2e-6 run.steps=100")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh in a directory with checkpoints: move the earlier run to <run>/archive/<time>/ "
+                             "first (implies --no-resume)")
+    parser.add_argument("overrides", nargs="*",
+                        help="dotted overrides, e.g. algo=grpo optim.lr=2e-6 run.steps=100 (before or after the flags)")
     parser.set_defaults(func=run_train)

@@ -6,9 +6,12 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from stapo_megatron.runtime.run_files import atomic_open, reporting_no_space
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -31,12 +34,24 @@ class PhaseTimer:
         return {f"time/{phase}": seconds for phase, seconds in self.seconds.items()}
 
 
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """The rows of a jsonl file written by a run. A line that does not parse (the last line of
+    a file cut off by a full disk or a kill) is skipped with a warning naming it."""
+    rows = []
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                print(f"warning: {path}: line {number} is cut off or malformed ({len(line)} bytes); skipped", file=sys.stderr)
+    return rows
+
+
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_jsonl(path) if path.is_file() else []
 
 
 def _finite(value: float) -> float | None:
@@ -49,7 +64,8 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, logging_cfg, run_name: str, config: dict, resume_step: int, total_steps: int):
         self.path = Path(run_dir) / METRICS_FILE
         self._truncate_after(resume_step)
-        self._file = open(self.path, "a", encoding="utf-8")
+        # Unbuffered appends, so that a failed one can be undone to the last whole row.
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         self._tensorboard = None
         if logging_cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -75,19 +91,26 @@ class MetricsLogger:
             self._bar = tqdm(total=total_steps, initial=resume_step, desc=run_name, unit="step", dynamic_ncols=True)
 
     def _truncate_after(self, step: int) -> None:
+        """Keep the rows up to ``step`` (the resumed checkpoint's); a cut-off line is dropped."""
         if not self.path.is_file():
             return
         kept = [row for row in read_metrics(self.path.parent) if row.get("step", 0) <= step]
-        temporary = self.path.with_suffix(".jsonl.tmp")
-        with open(temporary, "w", encoding="utf-8") as f:
+        with atomic_open(self.path) as f:
             for row in kept:
                 f.write(json.dumps(row) + "\n")
-        os.replace(temporary, self.path)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: _finite(float(v)) for k, v in sorted(metrics.items())}}
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        data = (json.dumps(row) + "\n").encode()
+        size = os.fstat(self._fd).st_size
+        try:
+            with reporting_no_space(self.path):
+                written = 0
+                while written < len(data):
+                    written += os.write(self._fd, data[written:])
+        except BaseException:
+            os.ftruncate(self._fd, size)  # no half row stays behind
+            raise
         if self._tensorboard is not None:
             for key, value in metrics.items():
                 if math.isfinite(value):
@@ -109,7 +132,7 @@ class MetricsLogger:
             print(text, flush=True)
 
     def close(self) -> None:
-        self._file.close()
+        os.close(self._fd)
         if self._tensorboard is not None:
             self._tensorboard.close()
         if self._wandb is not None:

@@ -12,7 +12,7 @@ import hashlib
 import torch
 
 from stapo_megatron.data.prompts import response_text
-from stapo_megatron.loss import dynamic_sampling_filter, group_advantages, overlong_penalty
+from stapo_megatron.loss import correctness_reward, dynamic_sampling_filter, group_advantages, overlong_penalty
 from stapo_megatron.rewards import REASONS, summarize_reasons
 from stapo_megatron.rollout.engine import SamplingParams
 from stapo_megatron.trainer.batch import RolloutBatch
@@ -71,7 +71,7 @@ class RolloutCollector:
                 reasons[reason] += count
             correct = torch.tensor([r.reward for r in results], dtype=torch.float32)
             lengths = torch.tensor([len(c.token_ids) for _, c in flat], dtype=torch.long)
-            rewards = correct.clone()
+            rewards = correctness_reward(correct, algo.reward_scale)
             if algo.overlong_shaping:
                 rewards = rewards + overlong_penalty(lengths, b.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor)
             keep_groups = (

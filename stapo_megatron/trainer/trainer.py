@@ -6,7 +6,6 @@ import math
 import signal
 
 import torch
-import torch.distributed as dist
 
 from stapo_megatron.checkpoint.convert import export_hf_tensors, fill_from_hf, hf_assets, load_model
 from stapo_megatron.checkpoint.hf_io import HFCheckpoint
@@ -14,16 +13,16 @@ from stapo_megatron.config import to_dict
 from stapo_megatron.data.prompts import default_stop_token_ids
 from stapo_megatron.loss import needs_statistics_pass
 from stapo_megatron.models.qwen3.parallelize import build_stage
-from stapo_megatron.runtime.distributed import device, init_distributed
+from stapo_megatron.runtime.distributed import init_distributed
 from stapo_megatron.trainer import megatron_fixes
-from stapo_megatron.trainer.batch import RolloutBatch, make_microbatches, partition_for_rank
+from stapo_megatron.trainer.batch import RolloutBatch, broadcast_rollouts, make_microbatches, partition_for_rank
 from stapo_megatron.trainer.checkpointing import Checkpointer
 from stapo_megatron.trainer.config import TrainConfig
+from stapo_megatron.trainer.heartbeat import Heartbeat
 from stapo_megatron.trainer.inspector import SpuriousTokenDump
+from stapo_megatron.trainer.launcher import STOP_FILE
 from stapo_megatron.trainer.metrics import MetricsLogger, PhaseTimer
-from stapo_megatron.trainer.update import PolicyUpdater
-
-STOP_FILE = "STOP"
+from stapo_megatron.trainer.update import PolicyUpdater, candidate_mismatch, merge_reporter_metrics, rollout_statistics
 
 
 def build_tokenizer(cfg: TrainConfig):
@@ -40,19 +39,68 @@ def stop_token_ids(cfg: TrainConfig, tokenizer) -> list[int]:
     return list(cfg.batch.stop_token_ids) or default_stop_token_ids(tokenizer, cfg.data.chat_template)
 
 
+# The config fields behind the scheduler's state, named when a resume changes them.
+_SCHEDULE_FIELDS = {
+    "max_lr": "optim.lr",
+    "min_lr": "optim.min_lr",
+    "lr_warmup_steps": "optim.warmup_steps",
+    "lr_decay_style": "optim.schedule",
+    "lr_decay_steps": "the decay length (run.steps)",
+    "start_wd": "optim.weight_decay",
+}
+
+
+def build_scheduler(optimizer, cfg: TrainConfig, report: bool = True):
+    """Megatron's learning-rate and weight-decay scheduler for ``cfg``. On resume the config's
+    values take effect, at the checkpoint's position in the schedule (Megatron's default would
+    keep the checkpoint's values and silently ignore a changed ``optim.lr``); each changed value
+    is printed when ``report``."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    class ConfigScheduler(OptimizerParamScheduler):
+        def load_state_dict(self, state_dict: dict) -> None:
+            if report:
+                for key, field in _SCHEDULE_FIELDS.items():
+                    if key in state_dict and state_dict[key] != getattr(self, key):
+                        print(f"[stapo] {field} changed on resume: {state_dict[key]} in the checkpoint, "
+                              f"{getattr(self, key)} now (takes effect)", flush=True)
+            # The optimizer's groups, restored from the checkpoint just before, carry its peak and
+            # final rates, which get_lr prefers to the scheduler's own.
+            for group in self.optimizer.param_groups:
+                group.update(max_lr=self.max_lr, min_lr=self.min_lr)
+            super().load_state_dict(state_dict)
+
+    o = cfg.optim
+    # The schedule counts training (rollout) steps, one scheduler step after all of a step's
+    # mini-batches, as veRL (the paper's trainer) does; its position is then the step count.
+    total_updates = cfg.run.steps
+    return ConfigScheduler(
+        optimizer,
+        init_lr=0.0 if o.warmup_steps else o.lr,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.warmup_steps,
+        lr_decay_steps=max(total_updates, o.warmup_steps + 1),
+        lr_decay_style=o.schedule,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=max(total_updates, 1),
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
+    )
+
+
 class Trainer:
     """One rank of a run. ``Trainer(cfg).train()`` is the whole job."""
 
     def __init__(self, cfg: TrainConfig):
-        from megatron.core import parallel_state as ps
-
         self.cfg = cfg
         self.run_dir = cfg.run.directory
-        init_distributed(cfg.parallel, seed=cfg.run.seed)
+        self.ctx = init_distributed(cfg.parallel, seed=cfg.run.seed)
         megatron_fixes.apply()
-        self.ps = ps
-        self.rank = dist.get_rank()
-        self.device = device()
+        self.rank = self.ctx.rank
+        self.device = self.ctx.device
         self.arch = cfg.model
         self.params_dtype = getattr(torch, cfg.compute.params_dtype)
         self.tokenizer = build_tokenizer(cfg)
@@ -71,12 +119,12 @@ class Trainer:
         self._load_initial_weights(model)
         self.model = self._wrap_ddp(model)
         self.optimizer, self.scheduler = self._build_optimizer()
-        self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep_last)
+        self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep_last, self.ctx)
         self.step = 0
         progress = self._resume()
 
-        self.updater = PolicyUpdater(self.model, self.optimizer, self.scheduler, cfg, self.arch)
-        self.inspector = SpuriousTokenDump(self.run_dir, self.tokenizer, cfg.logging.inspect_context_tokens)
+        self.updater = PolicyUpdater(self.model, self.optimizer, cfg, self.arch, self.ctx)
+        self.inspector = SpuriousTokenDump(self.run_dir, self.tokenizer, cfg.logging.inspect_context_tokens, self.ctx)
         self.collector = self.logger = self.evaluator = None
         if self.rank == 0:
             from stapo_megatron.trainer.launcher import write_resolved_config
@@ -112,7 +160,6 @@ class Trainer:
 
     def _build_optimizer(self):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         o = self.cfg.optim
         optimizer = get_megatron_optimizer(
@@ -131,25 +178,11 @@ class Trainer:
             ),
             [self.model],
         )
-        total_updates = self.cfg.run.steps * self.cfg.batch.minibatches_per_step
-        scheduler = OptimizerParamScheduler(
-            optimizer,
-            init_lr=0.0 if o.warmup_steps else o.lr,
-            max_lr=o.lr,
-            min_lr=o.min_lr,
-            lr_warmup_steps=o.warmup_steps,
-            lr_decay_steps=max(total_updates, o.warmup_steps + 1),
-            lr_decay_style=o.schedule,
-            start_wd=o.weight_decay,
-            end_wd=o.weight_decay,
-            wd_incr_steps=max(total_updates, 1),
-            wd_incr_style="constant",
-        )
-        return optimizer, scheduler
+        return optimizer, build_scheduler(optimizer, self.cfg, report=self.rank == 0)
 
     def _resume(self) -> dict:
         mode = self.cfg.checkpoint.resume
-        latest = self.checkpointer.latest() if mode != "never" else None
+        latest = self.checkpointer.latest_intact() if mode != "never" else None
         if latest is None:
             if mode == "required":
                 raise RuntimeError(f"checkpoint.resume=required but {self.checkpointer.root} has no complete checkpoint")
@@ -178,7 +211,7 @@ class Trainer:
         engine = build_engine(cfg.rollout, self.arch, self.device, hf_dir=cfg.checkpoint.load_hf, run_dir=self.run_dir)
         reward_pool = RewardPool.from_config(cfg.reward)
         self.collector = RolloutCollector(engine, reward_pool, self.tokenizer, dataset, sampler, cfg, stop_token_ids(cfg, self.tokenizer))
-        self.logger = MetricsLogger(self.run_dir, cfg.logging, cfg.run.name, to_dict(cfg), self.step, cfg.run.steps)
+        self.logger = MetricsLogger(self.run_dir, cfg.logging, cfg.run.name, to_dict(cfg, redact=True), self.step, cfg.run.steps)
         if cfg.eval.every:
             from stapo_megatron.eval.evaluator import Evaluator
 
@@ -199,30 +232,37 @@ class Trainer:
     def train(self) -> None:
         """sample -> G rollouts -> rewards -> advantages -> old statistics -> per mini-batch: threshold
         and masked update -> weight sync -> evaluation -> checkpoint."""
+        heartbeat = Heartbeat(self.cfg.run.hang_timeout_s, self.rank, saved_step=self.step).start()
         try:
+            heartbeat.beat("sync", self.step)
             self.sync_weights(version=self.step)
             while self.step < self.cfg.run.steps:
                 step = self.step + 1
-                timer = PhaseTimer()
+                timer = heartbeat.timer(step)
                 batch, metrics = self.collect_rollouts(step, timer)
                 if len(batch):
                     metrics.update(self.update_policy(batch, step, timer))
                 else:
                     self._message(f"[stapo] step {step}: every group was filtered out; no update")
+                self.scheduler.step(increment=1)  # once per training step, update or not (see build_scheduler)
                 with timer("sync"):
                     self.sync_weights(version=step)
                 if self.cfg.eval.every and step % self.cfg.eval.every == 0:
                     with timer("eval"):
                         metrics.update(self.evaluate(step))
                 self.step = step
+                heartbeat.beat("metrics and stop agreement", step)
                 self._log(step, metrics, timer, batch)
                 stop = self._agree_to_stop()
                 if stop or step == self.cfg.run.steps or (self.cfg.checkpoint.save_every and step % self.cfg.checkpoint.save_every == 0):
+                    heartbeat.beat("checkpoint", step)
                     self.save()
+                    heartbeat.saved(step)
                 if stop:
                     self._message(f"[stapo] stop requested: checkpoint of step {step} written, exiting")
                     break
         finally:
+            heartbeat.stop()
             self.close()
 
     def collect_rollouts(self, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict]:
@@ -233,7 +273,7 @@ class Trainer:
                 self.collector.engine.release_memory()
                 self.engine_released = True
         with timer("broadcast"):
-            return RolloutBatch.broadcast(batch), metrics
+            return broadcast_rollouts(self.ctx, batch), metrics
 
     def update_policy(self, batch: RolloutBatch, step: int, timer: PhaseTimer) -> dict:
         minibatches = self._microbatches(batch)
@@ -244,7 +284,8 @@ class Trainer:
         for group in minibatches:
             old.append(old_all[start : start + len(group)])
             start += len(group)
-        metrics = self._rollout_statistics(old_all, flat)
+        metrics = rollout_statistics(self.ctx, old_all, flat)
+        metrics.update(candidate_mismatch(self.ctx, old_all, flat, self.cfg.algo.tau_p))
         results, decided_on = [], []
         for j, microbatches in enumerate(minibatches):
             current = None
@@ -280,7 +321,7 @@ class Trainer:
         groups = int(batch.group_ids.max()) + 1
         count = min(b.minibatches_per_step, groups)
         bounds = [round(i * groups / count) for i in range(count + 1)]
-        dp_rank, dp_size = self.ps.get_data_parallel_rank(), self.ps.get_data_parallel_world_size()
+        dp_rank, dp_size = self.ctx.dp_rank, self.ctx.dp_size
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
         minibatches = []
         for lo, hi in zip(bounds[:-1], bounds[1:]):
@@ -290,31 +331,9 @@ class Trainer:
             minibatches.append(make_microbatches(batch, indices, b.micro_batch_size, self.device))
         return minibatches
 
-    def _rollout_statistics(self, old_stats, microbatches) -> dict:
-        """Policy entropy and the train/rollout log-prob mismatch over every response token."""
-        totals = torch.zeros(4, dtype=torch.float64, device=self.device)
-        if self.ps.is_pipeline_last_stage():
-            for stats, mb in zip(old_stats, microbatches):
-                mask = mb["response_mask"] > 0
-                totals[0] += mask.sum()
-                totals[1] += stats.entropy[mask].double().sum()
-                totals[2] += (stats.logprob - mb["rollout_logprobs"])[mask].abs().double().sum()
-                totals[3] = torch.maximum(totals[3], (stats.logprob - mb["rollout_logprobs"])[mask].abs().double().max()) if mask.any() else totals[3]
-            sums = totals[:3].clone()
-            dist.all_reduce(sums, group=self.ps.get_data_parallel_group())
-            largest = totals[3:].clone()
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.ps.get_data_parallel_group())
-            tokens = max(float(sums[0]), 1.0)
-            return {
-                "policy/entropy": float(sums[1]) / tokens,
-                "mismatch/logprob_abs_mean": float(sums[2]) / tokens,
-                "mismatch/logprob_abs_max": float(largest[0]),
-            }
-        return {}
-
     def sync_weights(self, version: int) -> None:
         """Send the current weights to the rollout engine (rank 0) through the export stream."""
-        if self.ps.get_data_parallel_rank() != 0:
+        if self.ctx.dp_rank != 0:
             return
         stream = export_hf_tensors(self.model, self.arch, destination="first_rank")
         if self.rank == 0:
@@ -342,21 +361,19 @@ class Trainer:
                 "sampler": self.collector.sampler.state_dict(),
             }
         # The sampler lives on rank 0; every rank must hand dist_checkpointing the same common state.
-        dist.broadcast_object_list(progress, src=0)
-        progress = progress[0]
+        progress = self.ctx.broadcast_object(progress[0], src=0)
         assets = hf_assets(self.cfg.tokenizer or self.cfg.checkpoint.load_hf) if (self.cfg.tokenizer or self.cfg.checkpoint.load_hf) else None
         self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, progress, self.arch, self.params_dtype, assets)
 
     def _agree_to_stop(self) -> bool:
         requested = self.stop_requested or (self.rank == 0 and (self.run_dir / STOP_FILE).exists())
-        flag = torch.tensor(float(requested), device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and self.rank == 0 and (self.run_dir / STOP_FILE).exists():
+        stop = self.ctx.any_rank(requested)
+        if stop and self.rank == 0 and (self.run_dir / STOP_FILE).exists():
             (self.run_dir / STOP_FILE).unlink()
-        return bool(flag.item())
+        return stop
 
     def _log(self, step: int, metrics: dict, timer: PhaseTimer, batch: RolloutBatch) -> None:
-        metrics = self._from_reporter(metrics)
+        metrics = merge_reporter_metrics(self.ctx, metrics)
         if self.rank != 0:
             return
         metrics.update(timer.metrics())
@@ -366,21 +383,6 @@ class Trainer:
         metrics["throughput/tokens_per_s"] = tokens / total if total > 0 else 0.0
         metrics["optim/optimizer_steps"] = float(self.optimizer_steps)
         self.logger.log(step, metrics)
-
-    def _from_reporter(self, metrics: dict) -> dict:
-        """Merge the last stage's metrics (first TP/DP rank) into rank 0's."""
-        reporter = (
-            self.ps.is_pipeline_last_stage()
-            and self.ps.get_tensor_model_parallel_rank() == 0
-            and self.ps.get_data_parallel_rank() == 0
-        )
-        source = torch.tensor(float(self.rank if reporter else -1), device=self.device)
-        dist.all_reduce(source, op=dist.ReduceOp.MAX)
-        if int(source.item()) == 0:
-            return metrics
-        payload = [metrics if reporter else None]
-        dist.broadcast_object_list(payload, src=int(source.item()))
-        return {**payload[0], **metrics} if self.rank == 0 else metrics
 
     def _message(self, text: str) -> None:
         if self.rank == 0:

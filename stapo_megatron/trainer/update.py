@@ -17,12 +17,16 @@ from stapo_megatron.loss import (
     TokenStats,
     all_reduce_metrics,
     minibatch_threshold,
+    mismatch_sums,
     needs_statistics_pass,
     policy_loss,
     reduce_metrics,
+    s2t_candidates,
     select_tokens,
+    summarize_mismatch,
     vocab_parallel_logprob_entropy,
 )
+from stapo_megatron.runtime.distributed import ParallelContext
 from stapo_megatron.trainer.schedule import forward_backward, forward_only
 
 
@@ -33,20 +37,15 @@ class MinibatchResult:
     selections: list  # per micro-batch Selection (last stage), for the inspector
 
 
-def _parallel():
-    from megatron.core import parallel_state as ps
-
-    return ps
-
-
 class PolicyUpdater:
-    def __init__(self, model, optimizer, scheduler, cfg, arch):
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+    def __init__(self, model, optimizer, cfg, arch, ctx: ParallelContext):
+        # No scheduler here: the trainer steps it once per training step, after all mini-batches.
+        self.model, self.optimizer = model, optimizer
         self.cfg, self.algo, self.arch = cfg, cfg.algo, arch
-        ps = _parallel()
-        self.last_stage = ps.is_pipeline_last_stage()
-        self.tp_group = ps.get_tensor_model_parallel_group()
-        self.dp_group = ps.get_data_parallel_group()
+        self.ctx = ctx
+        self.last_stage = ctx.is_last_stage
+        self.tp_group = ctx.tp_group
+        self.dp_group = ctx.dp_group
 
     # ---- token statistics --------------------------------------------------------------------
 
@@ -105,12 +104,18 @@ class PolicyUpdater:
                 selection.keep,
                 eps_low=self.algo.eps_low,
                 eps_high=self.algo.eps_high,
+                clip_ratio_c=self.algo.clip_ratio_c,
+                log_ratio_clamp=self.algo.log_ratio_clamp,
                 entropy=entropy,
                 entropy_coef=self.algo.entropy_coef,
                 aggregation=self.algo.aggregation,
                 response_mask=batch["response_mask"],
                 candidates=selection.candidates,
                 tau_h=selection.threshold,
+                rollout_logprob=batch["rollout_logprobs"],
+                rollout_correction=self.algo.rollout_correction,
+                rollout_correction_cap=self.algo.rollout_correction_cap,
+                rollout_correction_floor=self.algo.rollout_correction_floor,
             )
             return loss_sum, num_tokens, {"metrics": metrics}
 
@@ -121,19 +126,13 @@ class PolicyUpdater:
         selections = selections or collected
 
         local = reduce_metrics([r["metrics"] for r in reports]) if reports else {}
-        nonfinite = torch.tensor(0.0, device=self._device())
-        if self.last_stage and "pg_loss_sum" in local and not math.isfinite(float(local["pg_loss_sum"])):
-            nonfinite.fill_(1.0)
-        if not self._grads_finite():
-            nonfinite.fill_(1.0)
-        dist.all_reduce(nonfinite, op=dist.ReduceOp.MAX)
-        skipped = bool(nonfinite.item())
+        loss_nonfinite = self.last_stage and "pg_loss_sum" in local and not math.isfinite(float(local["pg_loss_sum"]))
+        skipped = self.ctx.any_rank(loss_nonfinite or not self._grads_finite())
         metrics: dict[str, float] = {}
         if skipped:
             self.optimizer.zero_grad()
         else:
             _, grad_norm, _ = self.optimizer.step()
-            self.scheduler.step(increment=1)
             metrics["optim/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["optim/lr"] = float(self.optimizer.param_groups[0]["lr"])
         if self.last_stage:
@@ -149,10 +148,67 @@ class PolicyUpdater:
                     return False
         return True
 
-    def _device(self) -> torch.device:
-        from stapo_megatron.runtime.distributed import device
 
-        return device()
+
+def candidate_mismatch(
+    ctx: ParallelContext, old_stats: list[TokenStats], microbatches: list[dict], tau_p: float
+) -> dict[str, float]:
+    """The train/rollout log-prob mismatch split by S2T's candidate set (A > 0 and p < ``tau_p``
+    under the old policy) and the other response tokens, over the data-parallel group
+    (:func:`~stapo_megatron.loss.summarize_mismatch` names each metric and its reduction).
+    Computed on the last stage (empty elsewhere); collective over ``ctx.dp_group``."""
+    if not ctx.is_last_stage:
+        return {}
+    sums = reduce_metrics(
+        mismatch_sums(
+            stats.logprob, mb["rollout_logprobs"], mb["response_mask"],
+            s2t_candidates(stats.logprob, stats.advantages, mb["response_mask"], tau_p),
+        )
+        for stats, mb in zip(old_stats, microbatches)
+    )
+    return summarize_mismatch(all_reduce_metrics(sums, ctx.dp_group))
+
+
+def rollout_statistics(ctx: ParallelContext, old_stats: list[TokenStats], microbatches: list[dict]) -> dict[str, float]:
+    """Policy entropy and the train/rollout log-prob mismatch over every response token of the
+    data-parallel group; computed on the last stage (empty elsewhere). Collective over ``ctx.dp_group``."""
+    if not ctx.is_last_stage:
+        return {}
+    totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # tokens, entropy sum, |mismatch| sum
+    largest = torch.zeros(1, dtype=torch.float64, device=ctx.device)
+    for stats, mb in zip(old_stats, microbatches):
+        mask = mb["response_mask"] > 0
+        mismatch = (stats.logprob - mb["rollout_logprobs"])[mask].abs().double()
+        totals[0] += mask.sum()
+        totals[1] += stats.entropy[mask].double().sum()
+        totals[2] += mismatch.sum()
+        if mismatch.numel():
+            largest = torch.maximum(largest, mismatch.max())
+    dist.all_reduce(totals, group=ctx.dp_group)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=ctx.dp_group)
+    tokens = max(float(totals[0]), 1.0)
+    return {
+        "policy/entropy": float(totals[1]) / tokens,
+        "mismatch/logprob_abs_mean": float(totals[2]) / tokens,
+        "mismatch/logprob_abs_max": float(largest[0]),
+    }
+
+
+def merge_reporter_metrics(ctx: ParallelContext, metrics: dict) -> dict:
+    """Rank 0's ``metrics`` with those of its pipeline's last stage merged in (rank 0's win on a
+    clash); other ranks get theirs back. The update's metrics live on the last stage, and its
+    first TP and DP rank (the reporter) sends them to rank 0 over gloo; no other rank takes part."""
+    if ctx.pp_size == 1:
+        return metrics  # rank 0 is its own last stage
+    pipeline = dist.get_process_group_ranks(ctx.pp_group)
+    reporter = ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0
+    if reporter:
+        dist.send_object_list([metrics], dst=pipeline[0], group=ctx.cpu_group)
+    elif ctx.rank == 0:
+        payload = [None]
+        dist.recv_object_list(payload, src=pipeline[-1], group=ctx.cpu_group)
+        return {**payload[0], **metrics}
+    return metrics
 
 
 def summarize_loss_metrics(m: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -172,6 +228,7 @@ def summarize_loss_metrics(m: dict[str, torch.Tensor]) -> dict[str, float]:
         "policy/pg_loss": ratio("pg_loss_sum", "kept_tokens"),
         "policy/clip_low_fraction": ratio("clip_low_tokens", "kept_tokens"),
         "policy/clip_high_fraction": ratio("clip_high_tokens", "kept_tokens"),
+        "policy/dual_clip_fraction": ratio("dual_clip_tokens", "kept_tokens"),
         "policy/approx_kl": ratio("approx_kl_sum", "kept_tokens"),
         "policy/ratio_mean": ratio("ratio_sum", "kept_tokens"),
         "policy/entropy_kept": ratio("entropy_kept_sum", "kept_tokens"),
@@ -179,6 +236,10 @@ def summarize_loss_metrics(m: dict[str, torch.Tensor]) -> dict[str, float]:
     if "ratio_max" in m and math.isfinite(float(m["ratio_max"])):
         out["policy/ratio_max"] = float(m["ratio_max"])
         out["policy/ratio_min"] = float(m["ratio_min"])
+    if "rollout_weight_sum" in m:  # a rollout correction is on
+        out["rollout_correction/weight_mean"] = ratio("rollout_weight_sum", "kept_tokens")
+        out["rollout_correction/truncated_fraction"] = ratio("rollout_truncated_tokens", "kept_tokens")
+        out["rollout_correction/rejected_fraction"] = ratio("rollout_rejected_tokens", "response_tokens")
     if "candidate_tokens" in m:
         out["s2t/candidates"] = value("candidate_tokens")
         out["s2t/silenced_candidates"] = value("silenced_candidate_tokens")

@@ -5,10 +5,11 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from stapo_megatron.config import ConfigError
+from stapo_megatron.config import MAX_BATCH, ConfigError
 from stapo_megatron.models.qwen3.config import Qwen3Config
 from stapo_megatron.models.qwen3.model import transformer_engine_available
 from stapo_megatron.models.qwen3.parallelize import check_layout
+from stapo_megatron.runtime.distributed import MAX_RANKS
 from stapo_megatron.trainer.config import TrainConfig
 
 # Fields that describe the weights; the rest (dtype written on export, rope length) may differ.
@@ -69,6 +70,15 @@ def check_train_config(cfg: TrainConfig, files: bool = True) -> None:
     """Every check across sections; with ``files=False`` nothing on disk is looked at (the paths
     may be another machine's, as when submitting through an SSH tunnel)."""
     p = cfg.parallel
+    if p.world_size > MAX_RANKS:
+        raise ConfigError(
+            f"parallel: tensor x pipeline x context x data parallel = {p.world_size} ranks, more than {MAX_RANKS}"
+        )
+    responses = cfg.batch.prompts_per_step * cfg.batch.group_size
+    if responses > MAX_BATCH:
+        raise ConfigError(
+            f"batch.group_size: prompts_per_step x group_size = {responses} responses per step, more than {MAX_BATCH}"
+        )
     check_layout(cfg.model, p.tensor_parallel, p.pipeline_parallel)
     if p.context_parallel > 1:
         raise ConfigError("parallel.context_parallel: the trainer runs with context_parallel = 1 (padded micro-batches)")

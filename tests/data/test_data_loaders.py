@@ -143,6 +143,59 @@ def test_bad_rows_are_dropped_with_file_row_and_reason(tmp_path, caplog):
     assert "kept 2, dropped 6" in caplog.text and f"first: {path}: row 2" in caplog.text
 
 
+def _undecodable_rows() -> list[bytes]:
+    """Good rows 1 and 6 around one row of each kind that used to stop the whole load."""
+    return [
+        b'{"problem": "What is 1+1?", "answer": "2"}',
+        b'{"problem": "caf\xe9 au lait", "answer": "3"}',  # Latin-1, not UTF-8
+        b'{"problem": "lone \\ud800 surrogate", "answer": "4"}',
+        b'{"problem": "deep", "answer": "5", "meta": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        b'{"problem": "deep", "answer": "6", "meta": ' + b"[" * 100 + b"]" * 100 + b"}",
+        b'{"problem": "What is 2+2?", "answer": "4"}',
+        b'{"problem": "bad key", "answer": "7", "\\udc80": 1}',
+    ]
+
+
+def test_undecodable_surrogate_and_deep_rows_are_dropped_one_by_one(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b"\n".join(_undecodable_rows()) + b"\n")
+    records, report = load_records(str(path))
+    assert [(r.row, r.answer) for r in records] == [(1, "2"), (6, "4")]
+    assert (report.rows, report.kept, report.dropped) == (7, 2, {"undecodable": 1, "invalid_text": 2, "too_deep": 2})
+    assert report.messages == [
+        f"{path}: row 2: not UTF-8 text (invalid continuation byte at column 17)",
+        f"{path}: row 3: field 'problem' is not valid Unicode text (surrogates not allowed at character 6)",
+        f"{path}: row 4: JSON nested too deeply to read",
+        f"{path}: row 5: row is nested deeper than 64 levels",
+        f"{path}: row 7: a key of '(row)' is not valid Unicode text",
+    ]
+    with pytest.raises(DataError, match=rf"^{path}: row 2: not UTF-8 text"):
+        load_records(str(path), bad_rows="error")
+    # One JSON array: undecodable bytes inside a string drop that row only.
+    array = tmp_path / "mixed.json"
+    array.write_bytes(b"[" + b",\n".join(r for i, r in enumerate(_undecodable_rows()) if i != 3) + b"]")
+    records, report = load_records(str(array))
+    assert [(r.row, r.answer) for r in records] == [(1, "2"), (5, "4")]
+    assert report.dropped == {"invalid_text": 3, "too_deep": 1}
+    assert report.messages[0] == (
+        f"{array}: row 2: field 'problem' is not valid Unicode text (surrogates not allowed at character 4)"
+    )
+    # A file that starts with a byte-order mark still reads its first row.
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + _undecodable_rows()[0] + b"\n")
+    assert [r.answer for r in load_records(str(bom))[0]] == ["2"]
+
+
+def test_parquet_with_a_non_utf8_string_drops_that_row(tmp_path):
+    problems = pa.array([b"What is 1+1?", b"\xff\xfe not text", b"What is 2+2?"], type=pa.binary()).view(pa.string())
+    path = tmp_path / "bytes.parquet"
+    pq.write_table(pa.table({"problem": problems, "answer": ["2", "3", "4"]}), path)
+    records, report = load_records(str(path))
+    assert [(r.row, r.answer) for r in records] == [(1, "2"), (3, "4")]
+    assert report.dropped == {"undecodable": 1}
+    assert report.messages == [f"{path}: row 2: a string column holds bytes that are not UTF-8 (invalid start byte)"]
+
+
 def test_bad_rows_can_be_an_error(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(BAD_JSONL) + "\n")

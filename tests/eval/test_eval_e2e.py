@@ -176,7 +176,9 @@ def test_the_sglang_engine_gets_the_model_directory(tiny_model, eval_data_dir, t
     record_dir.mkdir()
     config = tmp_path / "rollout.yaml"
     config.write_text(json.dumps({"sglang": {
-        "server_command": [sys.executable, str(FAKE_SGLANG)], "startup_timeout_s": 60, "shutdown_grace_s": 3,
+        # started as sglang.launch_server is: through the wrapper that hands it the API key
+        "server_command": [sys.executable, "-m", "stapo_megatron.rollout.sglang_launch", str(FAKE_SGLANG)],
+        "startup_timeout_s": 60, "shutdown_grace_s": 3,
         "env": {"FAKE_SGLANG_RECORD_DIR": str(record_dir)},
     }}))
     args = ["eval", "--model", str(tiny_model), "--data-dir", str(eval_data_dir), "--benchmarks", "aime24,math500",

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -52,30 +50,6 @@ def check_job_config(home: Path, job_name: str, expected: TrainConfig) -> None:
     configs = list((home / "experiments" / job_name).glob(f"*/{job_name}/stapo_config.yaml"))
     assert len(configs) == 1, configs
     assert load_config(TrainConfig, configs[0]) == expected
-
-
-@pytest.fixture
-def slurm_cluster():
-    pytest.importorskip("nemo_run", reason="NeMo-Run is not importable: pip install -e '.[launch]'")
-    from tests.slurm.cluster import Cluster, ClusterError, install
-
-    if os.geteuid() != 0:
-        pytest.skip("the SLURM test cluster needs root (its daemons run as root)")
-    try:
-        install()
-    except ClusterError as err:
-        pytest.skip(f"no SLURM test cluster: {err}")
-    # short: munge's and MariaDB's unix sockets live here (paths are limited to 108 bytes)
-    root = tempfile.mkdtemp(prefix="stapo-slurm-", dir="/tmp")
-    cluster = Cluster(root)
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
-        daemons = [p for p in (cluster.path("run").glob("*.pid") if cluster.path("run").exists() else [])]
-        shutil.rmtree(root, ignore_errors=True)
-        assert not daemons, f"daemons left running: {daemons}"
 
 
 def test_tiny_run_through_slurm(slurm_cluster, tmp_path):

@@ -70,7 +70,7 @@ def test_gpu_dryrun_sbatch_has_exactly_the_settings(nemorun_home, capsys, monkey
     output = flags.pop("output")
     assert flags == {
         "account": "rl_team", "partition": "batch", "nodes": "2", "gpus-per-node": "8", "ntasks-per-node": "1",
-        "time": "1-12:00:00", "job-name": "stapo.tiny-gpu", "open-mode": "append",
+        "time": "1-12:00:00", "job-name": "stapo.tiny-gpu", "open-mode": "append", "signal": "B:USR1@900",
     }
     assert output.startswith(str(nemorun_home / "experiments" / "tiny-gpu"))
     env = exports(out)

@@ -1,4 +1,4 @@
-"""Group advantages, dynamic sampling and overlong shaping."""
+"""Reward scale, group advantages, dynamic sampling and overlong shaping."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from stapo_megatron.loss import dynamic_sampling_filter, group_advantages, overlong_penalty
+from stapo_megatron.loss import correctness_reward, dynamic_sampling_filter, group_advantages, overlong_penalty
 
 
 def test_grpo_advantages_use_the_sample_std():
@@ -52,3 +52,16 @@ def test_overlong_penalty_ramp():
         overlong_penalty(lengths, 200, 0)
     with pytest.raises(ValueError, match="^lengths: expected integer"):
         overlong_penalty(lengths.float(), 200, 80)
+
+
+def test_reward_scales_and_dapo_penalty_on_the_signed_scale():
+    correct = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    assert correctness_reward(correct).tolist() == [1.0, 0.0, 1.0, 0.0]  # the STAPO paper's R in {0, 1}
+    assert correctness_reward(correct, "signed").tolist() == [1.0, -1.0, 1.0, -1.0]  # DAPO's verifier
+    # DAPO: a correct answer deep in the buffer nets 1 - 3/4; a truncated wrong one -1 - 1 = -2
+    shaped = correctness_reward(correct, "signed") + overlong_penalty(torch.tensor([10, 10, 190, 200]), 200, 40)
+    assert shaped.tolist() == [1.0, -1.0, 0.25, -2.0]
+    with pytest.raises(ValueError, match="^scale: 'pm1' is not one of binary, signed"):
+        correctness_reward(correct, "pm1")
+    with pytest.raises(ValueError, match="^correct: expected verdicts of 0 or 1"):
+        correctness_reward(torch.tensor([0.5]))

@@ -42,15 +42,23 @@ def test_presets_differ_only_where_documented():
     assert p["stapo"] == AlgoConfig()  # the defaults are STAPO's
     assert _differences(p["stapo"], p["grpo"]) == {"name", "token_rule"}
     assert p["grpo"].token_rule == "all"
-    assert _differences(p["grpo"], p["dapo"]) == {"name", "dynamic_sampling", "overlong_shaping"}
-    assert _differences(p["grpo"], p["entropy20"]) == {"name", "token_rule", "scope"}
-    assert (p["entropy20"].token_rule, p["entropy20"].scope, p["entropy20"].top_fraction) == ("high_entropy", "micro_batch", 0.2)
-    assert _differences(p["grpo"], p["justrl"]) == {"name"}
+    # the paper's GRPO baseline (R in {0, 1}, veRL's dual-clip 3) vs JustRL's script (DAPO's +-1
+    # verifier, clip_ratio_c 10): the same objective otherwise
+    assert _differences(p["grpo"], p["justrl"]) == {"name", "reward_scale", "clip_ratio_c"}
+    assert (p["grpo"].reward_scale, p["grpo"].clip_ratio_c) == ("binary", 3.0)
+    assert (p["justrl"].reward_scale, p["justrl"].clip_ratio_c) == ("signed", 10.0)
+    # DAPO = JustRL's base + dynamic sampling + overlong shaping, on the +-1 scale
+    assert _differences(p["justrl"], p["dapo"]) == {"name", "dynamic_sampling", "overlong_shaping"}
+    # 20-Entropy on the DAPO base, selecting over the whole mini-batch
+    assert _differences(p["dapo"], p["entropy20"]) == {"name", "token_rule"}
+    assert (p["entropy20"].token_rule, p["entropy20"].scope, p["entropy20"].top_fraction) == ("high_entropy", "mini_batch", 0.2)
+    assert (p["dapo"].overlong_buffer, p["dapo"].overlong_penalty_factor, p["dapo"].reward_scale) == (4096, 1.0, "signed")
     j = p["justrl"]
     assert (1 - j.eps_low, 1 + j.eps_high) == (0.8, 1.28)
     assert j.kl_coef == j.entropy_coef == 0 and not j.dynamic_sampling and not j.overlong_shaping
     for cfg in p.values():
         assert (cfg.eps_low, cfg.eps_high, cfg.aggregation, cfg.kl_coef) == (0.2, 0.28, "token_mean", 0.0)
+        assert (cfg.log_ratio_clamp, cfg.rollout_correction) == (20.0, "none")  # the papers use no correction
 
 
 @pytest.mark.parametrize(
@@ -66,6 +74,12 @@ def test_presets_differ_only_where_documented():
         ({"population": "all"}, "^algo.population: 'all' is not one of"),
         ({"scope": "global"}, "^algo.scope:"),
         ({"overlong_buffer": 0}, "^algo.overlong_buffer:"),
+        ({"clip_ratio_c": 1.0}, "^algo.clip_ratio_c: must be > 1"),
+        ({"log_ratio_clamp": 100}, "^algo.log_ratio_clamp:"),
+        ({"reward_scale": "pm1"}, "^algo.reward_scale: 'pm1' is not one of"),
+        ({"rollout_correction": "tis"}, "^algo.rollout_correction: 'tis' is not one of"),
+        ({"rollout_correction_cap": 0.5}, "^algo.rollout_correction_cap: must be > 1"),
+        ({"rollout_correction_floor": 1.0}, "^algo.rollout_correction_floor:"),
     ],
 )
 def test_checks_name_the_field(override, match):
@@ -105,8 +119,13 @@ def test_each_preset_behaves_as_documented():
     silenced = sum(int((s.response_mask & (k == 0)).sum()) for s, k in zip(micro, keeps))
     assert candidates > 20 and silenced == math.floor(0.8 * candidates)
 
+    # entropy20: exactly the top 20% of the whole mini-batch's response tokens, not of each micro-batch
     entropy20 = build(AlgoConfig, "entropy20")
-    for s, keep in zip(micro, _keep(entropy20, micro)):  # per micro-batch: exactly its top 20%
-        n = int(s.response_mask.sum())
-        assert int(keep.sum()) == math.ceil(0.2 * n)
-        assert float(s.entropy[keep.bool()].min()) > float(s.entropy[s.response_mask & ~keep.bool()].max())
+    keeps = [k.bool() for k in _keep(entropy20, micro)]
+    entropies = torch.cat([s.entropy[s.response_mask] for s in micro])
+    kept = torch.cat([s.entropy[s.response_mask & k] for s, k in zip(micro, keeps)])
+    dropped = torch.cat([s.entropy[s.response_mask & ~k] for s, k in zip(micro, keeps)])
+    assert kept.numel() == math.ceil(0.2 * entropies.numel())
+    assert float(kept.min()) > float(dropped.max())
+    per_micro = [math.ceil(0.2 * int(s.response_mask.sum())) for s in micro]
+    assert [int(k.sum()) for k in keeps] != per_micro  # what the per-micro-batch selection would keep

@@ -1,6 +1,7 @@
 """Finding the last box, and the reward config's checks (no worker processes)."""
 
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ import pytest
 
 from stapo_megatron.config import ConfigError, build
 from stapo_megatron.rewards import REASONS, RewardConfig, RewardResult, extract_boxed, find_last_box, summarize_reasons
-from stapo_megatron.rewards.extract import exact_answer
+from stapo_megatron.rewards.extract import _last_command, exact_answer
 
 
 @pytest.mark.parametrize(
@@ -66,6 +67,69 @@ def test_find_last_box_stops_at_max_chars():
     assert find_last_box("\\boxed{" + "x" * 5000, max_chars=1000).reason == "too_long"
 
 
+@pytest.mark.parametrize(
+    "text, answer, reason",
+    [
+        ("\\boxed{" + "{" * 5000, None, "unterminated_box"),  # thousands of unmatched opening braces
+        ("\\boxed{1}" + "}" * 5000, "1", None),  # ... and closing ones after the box
+        ("}" * 5000 + "\\boxed{2}" + "{" * 5000, "2", None),
+        ("\\boxed{\\boxed{\\boxed{3}}}", "3", None),  # the innermost box starts last
+        ("\\boxed{a} \\fbox{\\boxed{b}}", "b", None),
+        ("\\boxed{a} then \\boxed{b", None, "unterminated_box"),
+        ("\\boxed x+1 and more", "x+1", None),  # brace-less: up to whitespace
+        ("\\boxed\t42$", "42", None),
+        ("\\fbox 7.", "7", None),
+        ("\\boxed\\fbox{4}", "4", None),
+        ("\\fbox{3}" + "\\boxedfoo " * 3000, "3", None),  # thousands of commands that are not boxes
+        ("\\boxed{5} " + "\\fboxsep \\boxeda " * 3000, "5", None),
+        ("\\boxedz" * 3000, None, "no_box"),
+    ],
+)
+def test_find_last_box_on_adversarial_responses(text, answer, reason):
+    span = find_last_box(text)
+    assert (span.answer, span.reason) == (answer, reason)
+
+
+def _reference_last_command(text: str) -> int:
+    """Where the last box command starts, by the definition: every position, rightmost first."""
+    for at in range(len(text) - 1, -1, -1):
+        for command in ("\\boxed", "\\fbox"):
+            after = at + len(command)
+            if text.startswith(command, at) and not (after < len(text) and text[after].isalpha()):
+                return at
+    return -1
+
+
+def test_last_command_agrees_with_its_definition_on_random_text():
+    pieces = ["\\boxed", "\\fbox", "\\", "a", "{", "}", " ", "5", "$", "x"]
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
+        assert _last_command(text, len(text))[0] == _reference_last_command(text), text
+
+
+class _CountingText(str):
+    """A response that counts the characters its rfind calls read: from the end of the range back
+    to the occurrence found (or to the start of the range)."""
+
+    searched = 0
+
+    def rfind(self, sub, start=0, end=None):
+        found = super().rfind(sub, start, end)
+        _CountingText.searched += (len(self) if end is None else end) - (found if found >= 0 else start)
+        return found
+
+
+@pytest.mark.parametrize("unit", ["\\boxeda", "\\fboxa", "\\fboxsep\\boxedq "])
+def test_box_search_reads_the_response_a_bounded_number_of_times(unit):
+    # The former search rescanned the text for each command that was not a box: quadratic, in the
+    # trainer's process. Now each command's occurrences are found in one backward pass.
+    text = _CountingText(unit * 20_000)
+    _CountingText.searched = 0
+    assert find_last_box(text).reason == "no_box"
+    assert _CountingText.searched <= 2 * len(text)
+
+
 def test_exact_answer_uses_the_box_or_the_whole_response():
     assert exact_answer(" 7 ").answer == "7"
     assert exact_answer("7 <d3>").answer == "7 <d3>"
@@ -98,8 +162,11 @@ def test_summarize_reasons_counts_every_reason():
     "fields, message",
     [
         ({"num_workers": 0}, "reward.num_workers: must be >= 1"),
-        ({"timeout_s": 0}, "reward.timeout_s: must be > 0"),
-        ({"kill_grace_s": -1}, "reward.kill_grace_s: must be >= 0"),
+        ({"timeout_s": 0}, r"reward.timeout_s: must be in \(0, 3600\], got 0.0"),
+        ({"timeout_s": "nan"}, "reward.timeout_s: must be a finite number"),
+        ({"kill_grace_s": -1}, r"reward.kill_grace_s: must be in \[0, 3600\], got -1.0"),
+        ({"kill_grace_s": float("inf")}, "reward.kill_grace_s: must be a finite number"),
+        ({"num_workers": 100_000}, "reward.num_workers: must be <= 1024, got 100000"),
         ({"max_answer_chars": 0}, "reward.max_answer_chars"),
         ({"prefetch": 0}, "reward.prefetch"),
         ({"memory_limit_mb": 100}, "reward.memory_limit_mb"),

@@ -19,10 +19,10 @@ def check_local_engine_matches_megatron(hf_dir: str, tp: int, pp: int) -> None:
     from stapo_megatron.rollout.engine import SamplingParams
     from stapo_megatron.rollout.local_engine import LocalEngine
     from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
-    from stapo_megatron.trainer.batch import RolloutBatch, make_microbatches
+    from stapo_megatron.trainer.batch import RolloutBatch, broadcast_rollouts, make_microbatches
     from stapo_megatron.trainer.schedule import forward_only
 
-    init_distributed(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp))
+    ctx = init_distributed(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp))
     arch = Qwen3Config.from_hf(hf_dir)
     model = build_stage(arch, perform_initialization=False)
     fill_from_hf(model, arch, HFCheckpoint(hf_dir))
@@ -47,7 +47,7 @@ def check_local_engine_matches_megatron(hf_dir: str, tp: int, pp: int) -> None:
             rewards=torch.zeros(count), correct=torch.zeros(count), advantages=torch.zeros(count),
             group_ids=torch.arange(count),
         )
-    batch = RolloutBatch.broadcast(batch)
+    batch = broadcast_rollouts(ctx, batch)
     microbatches = make_microbatches(batch, list(range(len(batch))), 5, torch.device("cpu"))
 
     def logprob(logits, mb):

@@ -18,6 +18,9 @@ its ``server_command`` setting. Process-only behaviour comes from environment va
   scheduler processes are, and write its pid to ``<record dir>/<port>.child``;
 * ``FAKE_SGLANG_STARTUP_S``: answer 503 on the health routes for this long after start.
 
+Like SGLang, process mode logs its settings (API keys included) through ``logging`` when it starts,
+so a test can see that the launch wrapper keeps the key out of the server's log.
+
 Only the standard library is imported up front; torch is imported when tensors are involved.
 """
 
@@ -27,6 +30,7 @@ import argparse
 import base64
 import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -154,6 +158,10 @@ class FakeState:
         # Knobs tests may set in thread mode.
         self.abort_next = 0  # answer this many /generate calls with finish_reason abort
         self.flush_busy = 0  # answer this many /flush_cache calls with 400 (requests running)
+        # --preferred-sampling-params: reported by /server_info (a JSON string, as ServerArgs holds
+        # it) and merged under each request's sampling_params, as SGLang's TokenizerManager does.
+        self.preferred_sampling_params: dict | None = None
+        self.sampled_with: list[dict] = []  # the effective sampling parameters of every sample served
 
     def record(self, method: str, path: str, auth: str | None, body: Any) -> None:
         entry = {"method": method, "path": path, "auth": auth, "body": body, "time": time.time()}
@@ -186,8 +194,10 @@ class FakeState:
                 return 503, b""
             return 200, b""
         if path in ("/server_info", "/get_server_info") and method == "GET":
+            preferred = json.dumps(self.preferred_sampling_params) if self.preferred_sampling_params else None
             return 200, {"version": self.version_text, "tp_size": self.tp_size, "dp_size": 1,
-                         "model_path": self.model_path, "port": self.port, "skip_tokenizer_init": True}
+                         "model_path": self.model_path, "port": self.port, "skip_tokenizer_init": True,
+                         "preferred_sampling_params": preferred}
         if path in ("/model_info", "/get_model_info") and method == "GET":
             return 200, {"model_path": self.model_path, "is_generation": True, "weight_version": self.weight_version}
         if path == "/fake/state" and method == "GET":
@@ -240,6 +250,7 @@ class FakeState:
             raise BadRequest("/generate: sampling_params must be one dict or one per prompt")
         for p in sps:
             self._check_sampling(p)
+        sps = [{**(self.preferred_sampling_params or {}), **p} for p in sps]
         ns = {p.get("n", 1) for p in sps}
         if len(ns) != 1:
             raise BadRequest("The parallel_sample_num should be the same for all samples in sample params.")
@@ -257,6 +268,8 @@ class FakeState:
             if abort:
                 self.abort_next -= 1
         items = []
+        with self.lock:
+            self.sampled_with.extend(p for p in sps for _ in range(n))
         for prompt, p in zip(prompts, sps):
             for s in range(n):
                 tokens, logprobs, finish = fake_sample(
@@ -293,6 +306,13 @@ class FakeState:
             "max_new_tokens": lambda v: isinstance(v, int) and v >= 0,
             "stop_token_ids": lambda v: isinstance(v, list) and all(isinstance(t, int) for t in v),
             "sampling_seed": lambda v: isinstance(v, int) and not isinstance(v, bool),
+            "min_p": lambda v: isinstance(v, (int, float)) and 0 <= v <= 1,
+            "repetition_penalty": lambda v: isinstance(v, (int, float)) and 0 < v <= 2,
+            "frequency_penalty": lambda v: isinstance(v, (int, float)) and -2 <= v <= 2,
+            "presence_penalty": lambda v: isinstance(v, (int, float)) and -2 <= v <= 2,
+            # with --skip-tokenizer-init a positive min_new_tokens is an error (sglang-api notes)
+            "min_new_tokens": lambda v: isinstance(v, int) and v == 0,
+            "ignore_eos": lambda v: isinstance(v, bool),
         }
         for key, ok in checks.items():
             if key in p and not ok(p[key]):
@@ -582,6 +602,8 @@ def main(argv: list[str] | None = None) -> None:
     """Process mode: serve until killed."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(levelname)s: %(message)s")
+    logging.getLogger("fake_sglang").info(f"server_args={vars(args)}")  # SGLang logs f"{server_args=}" likewise
     record_dir = os.environ.get("FAKE_SGLANG_RECORD_DIR")
     record_path = os.path.join(record_dir, f"{args.port}.jsonl") if record_dir else None
     if os.environ.get("FAKE_SGLANG_SPAWN_CHILD") and record_dir:

@@ -31,7 +31,8 @@ from stapo_megatron.rollout.sglang_engine import (
     _parse_generate,
     expected_names_from_hf_checkpoint,
 )
-from stapo_megatron.rollout.sglang_server import build_launch_command, redact
+from stapo_megatron.rollout.sglang_launch import KEY_ENV
+from stapo_megatron.rollout.sglang_server import build_launch_command
 
 try:
     from . import fake_sglang
@@ -43,7 +44,8 @@ fake_sample = fake_sglang.fake_sample
 serialize_tensors = fake_sglang.serialize_tensors
 
 KEY = "contract-test-key"
-FAKE_COMMAND = [sys.executable, str(Path(fake_sglang.__file__).resolve())]
+# Started as production starts sglang.launch_server: through the wrapper that hands it the key.
+FAKE_COMMAND = [sys.executable, "-m", "stapo_megatron.rollout.sglang_launch", str(Path(fake_sglang.__file__).resolve())]
 SETUP_PATHS = {"/health", "/health_generate", "/server_info", "/get_server_info"}
 
 pytestmark = pytest.mark.timeout(60)
@@ -168,31 +170,28 @@ def test_launch_command_for_given_settings():
         env={"NCCL_DEBUG": "WARN"},
     )
     argv, env = build_launch_command(cfg, index=1, port=31001, nccl_port=32001, api_key="s3cret")
-    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert argv[:4] == [sys.executable, "-m", "stapo_megatron.rollout.sglang_launch", "sglang.launch_server"]
     assert argv[-1] == "--skip-server-warmup"
-    flags = argv[3:]
+    flags = argv[4:]
     values = {flags[i]: flags[i + 1] for i in range(len(flags) - 1)
               if flags[i].startswith("--") and "=" not in flags[i] and not flags[i + 1].startswith("--")}
     values.update(f.split("=", 1) for f in flags if f.startswith("--") and "=" in f)
     assert values == {
         "--model-path": "/models/Qwen3-8B", "--host": "0.0.0.0", "--port": "31001", "--tp-size": "2",
         "--base-gpu-id": "6", "--mem-fraction-static": "0.55", "--random-seed": "8", "--dtype": "bfloat16",
-        "--nccl-port": "32001", "--api-key": "s3cret", "--admin-api-key": "s3cret", "--context-length": "8192",
-        "--load-format": "dummy",
+        "--nccl-port": "32001", "--context-length": "8192", "--load-format": "dummy",
     }
     for switch in ("--skip-tokenizer-init", "--enable-memory-saver", "--enable-deterministic-inference"):
         assert switch in flags
     assert env["NCCL_DEBUG"] == "WARN" and env["PATH"] == os.environ["PATH"]
+    # The key travels in the environment only (see test_sglang_secrets for the launched processes).
+    assert env[KEY_ENV] == "s3cret" and not any("s3cret" in arg for arg in argv)
     # Every flag is one SGLang's launcher documents, with the right arity (the fake parses them the same way).
     fake_sglang.build_parser().parse_args(flags)
-    assert "s3cret" not in " ".join(redact(argv)) and "--api-key=<redacted>" in redact(argv)
-    # A key that looks like a flag is still passed as the value of --api-key.
-    dashed, _ = build_launch_command(cfg, index=0, port=1, nccl_port=2, api_key="-Xy_z")
-    assert fake_sglang.build_parser().parse_args(dashed[3:]).api_key == "-Xy_z"
 
     plain = SGLangConfig(model_path="m", server_command=["/opt/wrap.sh", "serve"])
     argv, _ = build_launch_command(plain, index=0, port=1, nccl_port=2, api_key="k")
-    assert argv[:2] == ["/opt/wrap.sh", "serve"] and argv[2] == "--model-path"
+    assert argv[:2] == ["/opt/wrap.sh", "serve"] and argv[2] == "--model-path" and "k" not in argv
     assert "--enable-memory-saver" not in argv and "--context-length" not in argv
 
 
@@ -266,9 +265,41 @@ def test_generate_request_shape_and_response_parsing(fake):
     assert sorted(map(str, (c["body"]["input_ids"] for c in calls))) == sorted(map(str, ([prompts[2]], prompts[:2])))
     for call in calls:
         assert call["body"]["return_logprob"] is True and call["body"]["logprob_start_len"] == -1
-        assert call["body"]["sampling_params"] == {"n": 3, "temperature": 0.7, "top_p": 0.9, "top_k": -1,
-                                                   "max_new_tokens": 6, "stop_token_ids": [3, 17, 29]}
+        assert call["body"]["sampling_params"] == {
+            "n": 3, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_new_tokens": 6, "stop_token_ids": [3, 17, 29],
+            "min_p": 0.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+            "min_new_tokens": 0, "ignore_eos": False,
+        }
     assert fake.state.requests and all(r["auth"] == f"Bearer {KEY}" for r in fake.state.requests)
+
+
+def test_server_preferred_sampling_cannot_bend_the_sampler(fake):
+    # A server launched with --preferred-sampling-params, as a model's generation_config.json might
+    # suggest (min_p, repetition penalty): SGLang merges them under each request's own keys.
+    fake.state.preferred_sampling_params = {
+        "min_p": 0.05, "repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": 0.3,
+        "min_new_tokens": 4, "ignore_eos": True, "stop_token_ids": [9], "top_k": 20, "skip_special_tokens": False,
+    }
+    params = SamplingParams(n=2, temperature=0.9, top_p=0.95, top_k=0, max_new_tokens=4)
+    with SGLangEngine(attach_config(fake.url)) as engine:
+        [group] = engine.generate([[1, 2, 3]], params)
+        seeded = engine.generate([[4, 5]], SamplingParams(n=2, max_new_tokens=3, seed=7))
+    assert len(group) == 2 and len(seeded[0]) == 2
+    assert len(fake.state.sampled_with) == 4  # every sample, unseeded and seeded
+    for effective in fake.state.sampled_with:
+        assert {k: v for k, v in effective.items() if k not in ("n", "temperature", "top_p", "max_new_tokens", "sampling_seed")} == {
+            "min_p": 0.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+            "min_new_tokens": 0, "ignore_eos": False, "stop_token_ids": [], "top_k": -1, "skip_special_tokens": False,
+        }
+    assert [(e["temperature"], e["top_p"]) for e in fake.state.sampled_with[:2]] == [(0.9, 0.95)] * 2
+
+
+@pytest.mark.parametrize("preferred", [{"logit_bias": {"7": 5.0}}, {"min_p": 0.0, "regex": "[0-9]+"}])
+def test_a_server_preferring_an_unpinned_sampling_parameter_is_refused(fake, preferred):
+    fake.state.preferred_sampling_params = preferred
+    unpinned = sorted(set(preferred) - {"min_p"})
+    with pytest.raises(SGLangServerError, match=rf"{fake.url} \(attached\) sets preferred_sampling_params {unpinned!r}".replace("[", r"\[")):
+        SGLangEngine(attach_config(fake.url))
 
 
 def test_single_prompt_dict_response_is_parsed():

@@ -29,6 +29,7 @@ PACKAGES = ["slurm-wlm", "munge", "slurmdbd", "mariadb-server"]
 BINARIES = ["munged", "mariadbd", "mariadb-install-db", "mariadb", "slurmdbd", "slurmctld", "slurmd", "sbatch", "sacct", "sacctmgr"]
 PARTITION = "debug"
 DB_PASSWORD = "stapo-test"
+REQUEUE_HOLD_S = 10
 # stop order: the reverse of start
 DAEMONS = ["slurmd", "slurmctld", "slurmdbd", "mariadbd", "munged"]
 
@@ -132,7 +133,8 @@ class Cluster:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            auth,
+            # cred_expire also holds a requeued job back (default 120 s); a test cluster's queue need not wait
+            f"{auth},cred_expire={REQUEUE_HOLD_S}",
             # container-friendly: no cgroups, no CPU binding, no accounting samplers
             "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none",

@@ -11,40 +11,43 @@ import json
 import os
 from pathlib import Path
 
-from stapo_megatron.config import ConfigError, option
+from stapo_megatron.config import MAX_VOCAB, ConfigError, option
+from stapo_megatron.config.core import check_fields
+
+MAX_WIDTH = 1 << 18  # hidden and MLP widths (Qwen3-32B: 5,120 and 25,600)
+MAX_POSITIONS = 1 << 24
 
 
 @dataclasses.dataclass
 class Qwen3Config:
     PRESET_DIR = "model"
 
-    vocab_size: int = option(151936, "Tokenizer vocabulary size (rows of the embedding before TP padding).")
-    hidden_size: int = option(1024, "Width of the residual stream.")
-    intermediate_size: int = option(3072, "Width of the SwiGLU MLP (each of gate and up).")
-    num_hidden_layers: int = option(28, "Number of transformer layers.")
-    num_attention_heads: int = option(16, "Query heads per layer.")
-    num_key_value_heads: int = option(8, "Key/value heads per layer (grouped-query attention).")
-    head_dim: int = option(128, "Width of each attention head (Qwen3 sets it independently of hidden_size).")
-    rms_norm_eps: float = option(1e-6, "Epsilon of every RMSNorm, QK-norm included.")
-    rope_theta: float = option(1000000.0, "Base of the rotary position embedding.")
+    vocab_size: int = option(
+        151936, "Tokenizer vocabulary size (rows of the embedding before TP padding).", ge=1, le=MAX_VOCAB
+    )
+    hidden_size: int = option(1024, "Width of the residual stream.", ge=1, le=MAX_WIDTH)
+    intermediate_size: int = option(3072, "Width of the SwiGLU MLP (each of gate and up).", ge=1, le=MAX_WIDTH)
+    num_hidden_layers: int = option(28, "Number of transformer layers.", ge=1, le=1024)
+    num_attention_heads: int = option(16, "Query heads per layer.", ge=1, le=1024)
+    num_key_value_heads: int = option(8, "Key/value heads per layer (grouped-query attention).", ge=1, le=1024)
+    head_dim: int = option(
+        128, "Width of each attention head (Qwen3 sets it independently of hidden_size).", ge=1, le=4096
+    )
+    rms_norm_eps: float = option(1e-6, "Epsilon of every RMSNorm, QK-norm included.", gt=0, lt=1)
+    rope_theta: float = option(1000000.0, "Base of the rotary position embedding.", gt=0)
     tie_word_embeddings: bool = option(True, "Output projection shares the input embedding's weights.")
-    max_position_embeddings: int = option(40960, "Longest sequence the rotary embedding is built for.")
+    max_position_embeddings: int = option(
+        40960, "Longest sequence the rotary embedding is built for.", ge=1, le=MAX_POSITIONS
+    )
     torch_dtype: str = option("bfloat16", "dtype written into config.json when exporting to Hugging Face.")
 
     def __post_init__(self):
-        for name in (
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        check_fields(self)  # also built straight from a checkpoint's config.json or metadata
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_key_value_heads: {self.num_key_value_heads} does not divide "
                 f"num_attention_heads {self.num_attention_heads}"
             )
-        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
-            raise ConfigError("rms_norm_eps: and rope_theta must be positive")
 
     @classmethod
     def from_hf_dict(cls, hf: dict, source: str = "config.json") -> "Qwen3Config":
@@ -65,9 +68,9 @@ class Qwen3Config:
         rope_theta = hf.get("rope_theta")
         if rope_theta is None:  # transformers >= 5 nests it under rope_parameters
             rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 1000000.0)
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
         try:
+            head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
             return cls(
                 vocab_size=hf["vocab_size"],
                 hidden_size=hf["hidden_size"],
@@ -86,6 +89,8 @@ class Qwen3Config:
             raise ConfigError(f"{source}: missing field {err.args[0]!r}") from None
         except ConfigError as err:
             raise ConfigError(f"{source}: {err}") from None
+        except (TypeError, ValueError, ZeroDivisionError) as err:  # a field of the wrong type, or 0 heads
+            raise ConfigError(f"{source}: malformed architecture field ({err})") from None
 
     @classmethod
     def from_hf(cls, path: str | os.PathLike) -> "Qwen3Config":
@@ -99,6 +104,12 @@ class Qwen3Config:
             raise ConfigError(f"{file}: no such file (expected a Hugging Face config.json)") from None
         except json.JSONDecodeError as err:
             raise ConfigError(f"{file}: not valid JSON ({err})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{file}: not UTF-8 text") from None
+        except RecursionError:
+            raise ConfigError(f"{file}: JSON nested too deeply") from None
+        if not isinstance(hf, dict):
+            raise ConfigError(f"{file}: expected a JSON object, got {type(hf).__name__}")
         return cls.from_hf_dict(hf, str(file))
 
     def to_hf_dict(self) -> dict:

@@ -1,0 +1,313 @@
+"""Loading a Megatron distributed checkpoint without running anything it holds.
+
+Three kinds of stored bytes are unpickled on a load, and each is read here without the code
+execution that pickle allows:
+
+- ``.metadata`` (torch distributed checkpoint's index, a plain pickle): read by
+  :class:`_MetadataUnpickler`, which admits only the classes that index is made of
+  (:data:`METADATA_GLOBALS`, listed from checkpoints this project writes), then checked.
+- ``common.pt`` (the non-sharded state): ``torch.load(weights_only=True)``.
+- sharded objects (the RNG states, Megatron's ``_extra_state`` entries), stored as byte items
+  inside the ``__*.distcp`` files: ``torch.load(weights_only=True)``.
+
+Megatron's defaults load the first with ``pickle.load`` and the last with
+``torch.load(weights_only=False)``. The public extension point used here is the pair of load
+strategies that ``dist_checkpointing.load`` accepts: :class:`SafeShardedLoadStrategy` (a
+:class:`TorchDistLoadShardedStrategy` reading through :class:`SafeFileSystemReader` and
+:class:`SafeLoadPlanner`) and :class:`SafeCommonLoadStrategy`. ``metadata.json`` is JSON and is
+checked by :func:`check_backend`. Every refusal is a one-line :class:`ConfigError` naming the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
+from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from stapo_megatron.config import ConfigError
+
+METADATA_FILE = ".metadata"
+CONFIG_FILE = "metadata.json"
+
+# Everything a torch distributed checkpoint's ``.metadata`` refers to by name, as listed from the
+# checkpoints this project writes (torch 2.13, megatron-core 0.16.1): the index dataclasses, the
+# save plans torch keeps beside them, torch.Size, dtypes and layouts. Nothing here runs code when
+# called with any arguments: dataclass constructors, enums, torch.Size and a layout lookup.
+METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.planner", "SavePlan"),
+    ("torch.distributed.checkpoint.planner", "WriteItem"),
+    ("torch.distributed.checkpoint.planner", "WriteItemType"),
+    ("torch.distributed.checkpoint.planner", "TensorWriteData"),
+    ("torch.distributed.checkpoint.planner", "BytesIOWriteData"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+}
+# Largest ``.metadata`` read (a 235B-parameter checkpoint with its optimizer holds well under 1 GB).
+MAX_METADATA_BYTES = 2 * 1024**3
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, path: Path):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise ConfigError(
+            f"{self.path}: refused to load: it refers to {module}.{name}, which a checkpoint index never holds "
+            f"(a crafted or foreign file)"
+        )
+
+
+def _refused(path, reason: str) -> ConfigError:
+    return ConfigError(f"{path}: not a valid checkpoint index: {reason}")
+
+
+def _check_metadata(metadata: Any, path: Path) -> Metadata:
+    if not isinstance(metadata, Metadata):
+        raise _refused(path, f"holds a {type(metadata).__name__}, not a torch checkpoint Metadata")
+    entries = metadata.state_dict_metadata
+    if not isinstance(entries, dict) or not all(
+        isinstance(k, str) and isinstance(v, (TensorStorageMetadata, BytesStorageMetadata)) for k, v in entries.items()
+    ):
+        raise _refused(path, "malformed state_dict_metadata")
+    for key, value in entries.items():
+        if isinstance(value, TensorStorageMetadata) and not (
+            isinstance(value.properties, TensorProperties)
+            and isinstance(value.size, torch.Size)
+            and isinstance(value.chunks, list)
+            and all(isinstance(c, ChunkStorageMetadata) for c in value.chunks)
+        ):
+            raise _refused(path, f"malformed entry for {key}")
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        raise _refused(path, "malformed storage_data")
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise _refused(path, "malformed storage_data")
+        name = info.relative_path
+        # Data files are read from the checkpoint directory itself, never from elsewhere.
+        if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+            raise _refused(path, f"{index.fqn} is stored in {name!r}, outside the checkpoint directory")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (info.offset, info.length)):
+            raise _refused(path, f"{index.fqn} has a bad offset or length")
+    return metadata
+
+
+def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
+    """A torch distributed checkpoint's ``.metadata``, unpickled admitting only :data:`METADATA_GLOBALS`."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > MAX_METADATA_BYTES:
+            raise _refused(path, f"{size} bytes (more than {MAX_METADATA_BYTES})")
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f, path).load()
+    except ConfigError:
+        raise
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: missing (not a complete distributed checkpoint)") from None
+    except (MemoryError, RecursionError) as err:
+        raise _refused(path, type(err).__name__) from None
+    except Exception as err:  # pickle raises many types for damaged bytes
+        raise _refused(path, _first_line(err)) from None
+    return _check_metadata(metadata, path)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+def _weights_only_reason(err: BaseException) -> str:
+    """The informative part of torch's multi-paragraph weights_only refusal."""
+    lines = []
+    for line in str(err).splitlines():
+        line = line.strip()
+        if not line or line.startswith(("Weights only load failed", "Check the documentation")):
+            continue
+        if "WeightsUnpickler error:" in line:
+            line = line.split("WeightsUnpickler error:", 1)[1].strip()
+        if line:
+            lines.append(line)
+    return " ".join(lines) or _first_line(err)
+
+
+def load_stored_object(source: str | os.PathLike | io.BytesIO, name: str, map_location=None) -> Any:
+    """``torch.load(weights_only=True)``; a refusal or damage is a one-line ConfigError naming ``name``."""
+    try:
+        return torch.load(source, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ConfigError(f"{name}: refused to load: {_weights_only_reason(err)}") from None
+    except FileNotFoundError:
+        raise ConfigError(f"{name}: missing (not a complete distributed checkpoint)") from None
+    except Exception as err:  # torch raises RuntimeError, EOFError, ... for damaged files
+        raise ConfigError(f"{name}: not a readable torch file: {_first_line(err)}") from None
+
+
+def check_backend(directory: str | os.PathLike) -> None:
+    """``metadata.json`` names the format the strategies here read (torch_dist + torch)."""
+    path = Path(directory) / CONFIG_FILE
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: missing (not a Megatron distributed checkpoint)") from None
+    except (ValueError, RecursionError) as err:
+        raise ConfigError(f"{path}: not valid JSON ({_first_line(err)})") from None
+    if not isinstance(config, dict) or config.get("sharded_backend") != "torch_dist" or config.get("common_backend") != "torch":
+        raise ConfigError(f"{path}: not a torch_dist checkpoint (this project writes sharded_backend torch_dist, common_backend torch)")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader whose metadata is read by :func:`read_dcp_metadata`, once (then cached)."""
+
+    def __init__(self, path: str | os.PathLike):
+        super().__init__(path)
+        self._cached_metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        if rank is None and self._cached_metadata is not None:
+            return self._cached_metadata
+        name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
+        metadata = read_dcp_metadata(Path(self.path) / name)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        if rank is None:
+            self._cached_metadata = metadata
+        return metadata
+
+
+class SafeLoadPlanner(mcore_torch.MCoreLoadPlanner):
+    """Megatron's load planner with the byte items (sharded objects) read by ``weights_only=True``."""
+
+    def __init__(self, *args, checkpoint_dir: str | os.PathLike, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.checkpoint_dir = Path(checkpoint_dir)
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        info = self.metadata.storage_data.get(read_item.storage_index) if self.metadata else None
+        where = self.checkpoint_dir / info.relative_path if info is not None else self.checkpoint_dir
+        obj = load_stored_object(value, f"{where} (object {read_item.dest_index.fqn})")
+        # As DefaultLoadPlanner.load_bytes, but with the object loaded above.
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+class SafeShardedLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
+    """megatron-core 0.16.1's TorchDistLoadShardedStrategy, reading through the safe reader and planner."""
+
+    def load(self, sharded_state_dict, checkpoint_dir):
+        # The body of TorchDistLoadShardedStrategy.load with SafeFileSystemReader and SafeLoadPlanner.
+        flexible_shape_sharded_tensors = [
+            sh_ten
+            for sh_ten in mcore_torch.nested_values(sharded_state_dict)
+            if isinstance(sh_ten, ShardedTensor) and not sh_ten.allow_shape_mismatch
+        ]
+        allow_shape_mismatch_sharded_tensors = {
+            sh_ten.key: sh_ten
+            for sh_ten in mcore_torch.nested_values(sharded_state_dict)
+            if isinstance(sh_ten, ShardedTensor) and sh_ten.allow_shape_mismatch
+        }
+        orig_sharded_state_dict = sharded_state_dict
+        sharded_state_dict, flat_mapping, rename_mapping = mcore_torch._replace_state_dict_keys_with_sharded_keys(
+            sharded_state_dict
+        )
+        pyt_state_dict = mcore_torch.mcore_to_pyt_state_dict(sharded_state_dict, True)
+        reader = SafeFileSystemReader(checkpoint_dir)
+        reader.read_metadata()  # a refusal surfaces here as itself, not inside torch's collective wrapper
+        dcp.load_state_dict(
+            pyt_state_dict,
+            reader,
+            planner=SafeLoadPlanner(
+                shapes_validation_sharded_tensors=flexible_shape_sharded_tensors,
+                allow_shape_mismatch_sharded_tensors=allow_shape_mismatch_sharded_tensors,
+                checkpoint_dir=checkpoint_dir,
+            ),
+        )
+        self.cached_global_metadata = reader.read_metadata()
+        mcore_state_dict = {k: mcore_torch._unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
+        mcore_state_dict = mcore_torch._replace_sharded_keys_with_state_dict_keys(
+            mcore_state_dict, flat_mapping, rename_mapping
+        )
+        mcore_torch._restore_dict_types(mcore_state_dict, orig_sharded_state_dict)
+        return mcore_state_dict
+
+    def load_tensors_metadata(self, checkpoint_dir, metadata: Metadata | None = None):
+        if metadata is None:
+            metadata = SafeFileSystemReader(checkpoint_dir).read_metadata()
+        return super().load_tensors_metadata(checkpoint_dir, metadata)
+
+    def load_sharded_metadata(self, checkpoint_dir):
+        metadata = SafeFileSystemReader(checkpoint_dir).read_metadata()
+        sharded_metadata = {}
+        for key, storage_metadata in metadata.state_dict_metadata.items():
+            if isinstance(storage_metadata, BytesStorageMetadata):
+                sh_obj = ShardedObject.empty_from_unique_key(key)
+                sharded_metadata[sh_obj.unique_key] = sh_obj
+        sharded_metadata.update(self.load_tensors_metadata(checkpoint_dir, metadata))
+        return sharded_metadata
+
+
+class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
+    """``common.pt`` (and per-object ``.pt`` files, a format this project does not write) by ``weights_only=True``."""
+
+    def load_common(self, checkpoint_dir):
+        path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+        return load_stored_object(path, str(path), map_location="cpu")
+
+    def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
+        def load_one(sh_obj: ShardedObject):
+            path = Path(checkpoint_dir) / f"{sh_obj.unique_key}.pt"
+            return load_stored_object(path, str(path))
+
+        return dict_list_map_inplace(load_one, sharded_objects_state_dict)
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """A refusal raised inside torch's distributed-checkpoint collectives comes out as itself."""
+    try:
+        yield
+    except CheckpointException as err:
+        for exc, _ in err.failures.values():
+            if isinstance(exc, ConfigError):
+                raise ConfigError(str(exc)) from None
+        raise

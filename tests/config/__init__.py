@@ -1,0 +1,1 @@
+"""Tests of config loading, checks and redaction."""

@@ -1,0 +1,253 @@
+"""A run longer than one SLURM allocation: the job is signalled before its time limit, the run
+checkpoints and stops, the job requeues itself and resumes until run.steps, ending bit-identical
+to an uninterrupted run.
+
+The fast tests check the options, the paths and the generated batch-script code (run by bash with
+stand-ins for srun and scontrol, and a real USR1). The slow test runs the tiny CPU run on the real
+one-node SLURM of tests/slurm/cluster.py with a 2-minute time limit:
+
+    python -m pytest -m slow tests/launch/test_slurm_requeue.py -rs
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from stapo_megatron.config import ConfigError
+from stapo_megatron.launch.requeue import (
+    batch_script_lines, check_requeue_options, run_dir_for_batch_shell, time_limit_seconds,
+)
+from stapo_megatron.launch.submit import SubmitOptions, check_options, signal_lead_s
+from tests.launch.test_submit import run_cli, sbatch_flags
+
+
+def test_time_limits_and_leads():
+    assert [time_limit_seconds(t) for t in ("2", "2:30", "04:00:00", "2-00", "2-1:30", "1-00:00:10")] == [
+        120, 150, 14400, 172800, 178200, 86410]
+    # the default lead: 900 s, or a quarter of a shorter limit
+    assert signal_lead_s(SubmitOptions(config=None, overrides=[], time="04:00:00")) == 900
+    assert signal_lead_s(SubmitOptions(config=None, overrides=[], time="00:10:00")) == 150
+    assert signal_lead_s(SubmitOptions(config=None, overrides=[], time="2", signal_lead=30)) == 30
+    for lead, requeues, limit, message in [
+        (120, 5, "2", r"^--signal-lead: 120 s leaves no time to train within --time 2 \(120 s\)$"),
+        (0, 5, "2", r"^--signal-lead: must be in \[1, 65535\] seconds, got 0$"),
+        (70000, 5, "3-00:00:00", r"^--signal-lead: must be in \[1, 65535\] seconds, got 70000$"),
+        (30, -1, "2", r"^--max-requeues: must be >= 0, got -1$"),
+        (30, 5, "2h", r"^--time: '2h' is not a SLURM time limit"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            check_requeue_options(lead, requeues, limit)
+    with pytest.raises(ConfigError, match=r"^--max-requeues: only for --executor slurm$"):
+        check_options(SubmitOptions(config=None, overrides=[], executor="local", max_requeues=0))
+    with pytest.raises(ConfigError, match=r"^--signal-lead: only for --executor slurm$"):
+        check_options(SubmitOptions(config=None, overrides=[], executor="local", signal_lead=60))
+
+
+def test_the_run_directory_as_the_batch_shell_sees_it():
+    job = ["/cluster/jobs/x:/nemo_run"]
+    # outside a container: absolute as it is, relative under the ranks' working directory
+    assert run_dir_for_batch_shell("/scratch/r", "/home/a", job, in_container=False) == "/scratch/r"
+    assert run_dir_for_batch_shell("runs/t", "/home/a", job, in_container=False) == "/home/a/runs/t"
+    # NeMo-Run's default working directory is the job directory's code/, at /nemo_run in the script
+    assert run_dir_for_batch_shell("runs/t", "/nemo_run/code", job, in_container=False) == "/cluster/jobs/x/code/runs/t"
+    # in a container: back through the longest matching mount
+    mounts = [*job, "/lustre:/data", "/lustre/results/team:/data/results"]
+    assert run_dir_for_batch_shell("/data/results/r1", "/w", mounts, in_container=True) == "/lustre/results/team/r1"
+    assert run_dir_for_batch_shell("/data/other", "/w", mounts, in_container=True) == "/lustre/other"
+    with pytest.raises(ConfigError, match=r"^--max-requeues: the run directory /results/r exists inside the container "
+                                          r"only, .*put run.output_dir under one of --mounts$"):
+        run_dir_for_batch_shell("/results/r", "/w", mounts, in_container=True)
+
+
+def test_dryrun_asks_for_the_signal_and_carries_the_trap(nemorun_home, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(capsys, "submit", "--account", "a", "--time", "2", "--signal-lead", "30", "--max-requeues", "4",
+                             "--gpus-per-node", "0", "--procs-per-node", "2", "--dryrun", "run.output_dir=out/run 1")
+    assert code == 0, err
+    assert sbatch_flags(out)["signal"] == "B:USR1@30" and sbatch_flags(out)["time"] == "2"
+    assert f"touch '{tmp_path}/out/run 1/STOP'" in out and "trap stapo_stop USR1" in out
+    assert '[ "$restarts" -ge 4 ]' in out
+    # the wrapper is defined before the job step it wraps
+    assert out.index("srun() {") < out.index("\nsrun --output")
+
+    # a run directory the batch shell cannot see is refused before anything is written
+    code, _, err = run_cli(capsys, "submit", "--account", "a", "--gpus-per-node", "2", "--container-image", "img:1",
+                           "--dryrun", "run.output_dir=/results/r")
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("stapo: error: --max-requeues: the run directory /results/r exists inside the container only")
+    assert not (nemorun_home / "experiments").exists() or not any((nemorun_home / "experiments").iterdir())
+
+
+# ---- the generated bash, run with stand-ins for srun and scontrol -------------------------------
+
+_FAKE_SRUN = """#!/bin/bash
+# a job step: exits $FAKE_EXIT at once, or (FAKE_EXIT=stop) runs until the run's STOP file appears
+touch "$FAKE_DIR/started"
+if [ "$FAKE_EXIT" = stop ]; then
+    while [ ! -f "$FAKE_RUN/STOP" ]; do sleep 0.05; done
+    rm "$FAKE_RUN/STOP"; exit 0
+fi
+exit "$FAKE_EXIT"
+"""
+_FAKE_SCONTROL = """#!/bin/bash
+echo "$@" >> "$FAKE_DIR/scontrol.log"
+"""
+
+
+def _stand_ins(tmp_path: Path) -> Path:
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name, text in (("srun", _FAKE_SRUN), ("scontrol", _FAKE_SCONTROL)):
+        (bindir / name).write_text(text)
+        (bindir / name).chmod(stat.S_IRWXU)
+    return bindir
+
+
+def _batch_shell(tmp_path: Path, run_dir: Path, fake_exit: str, restarts: int | None, usr1: bool) -> tuple[int, str, str]:
+    """The setup lines and one job step, as NeMo-Run's script runs them; USR1 sent mid-step if asked."""
+    script = batch_script_lines(str(run_dir), 30, 2) + '\nsrun --output x torchrun stapo\necho "step returned $?"\n'
+    env = {"PATH": f"{_stand_ins(tmp_path)}:{os.environ['PATH']}", "FAKE_DIR": str(tmp_path), "FAKE_RUN": str(run_dir),
+           "FAKE_EXIT": fake_exit, "SLURM_JOB_ID": "42"}
+    if restarts is not None:
+        env["SLURM_RESTART_COUNT"] = str(restarts)
+    shell = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if usr1:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "started").exists():
+            assert time.monotonic() < deadline and shell.poll() is None, "the step did not start"
+            time.sleep(0.05)
+        time.sleep(0.2)  # the shell is in `wait`
+        shell.send_signal(signal.SIGUSR1)
+    out, _ = shell.communicate(timeout=30)
+    log = tmp_path / "scontrol.log"
+    return int(out.strip().splitlines()[-1].split()[-1]), out, log.read_text() if log.exists() else ""
+
+
+def test_a_finished_run_ends_the_job(tmp_path):
+    code, out, scontrol = _batch_shell(tmp_path, tmp_path / "run", "0", None, usr1=False)
+    assert code == 0 and scontrol == "" and "stapo:" not in out
+
+
+def test_usr1_stops_the_run_and_requeues_the_job(tmp_path):
+    run_dir = tmp_path / "run dir"  # created by the trap if the ranks have not yet
+    code, out, scontrol = _batch_shell(tmp_path, run_dir, "stop", 1, usr1=True)
+    assert "stapo: USR1, the time limit is 30 s away: asking the run to checkpoint and stop" in out
+    assert "stapo: the run is not complete (step exit 0, stopped for time: 1); requeue 2 of at most 2" in out
+    assert scontrol == "requeue 42\n" and code == 0
+    assert not (run_dir / "STOP").exists()  # the step saw it (and removed it, as rank 0 does)
+
+
+def test_a_failed_step_requeues_the_job(tmp_path):
+    code, out, scontrol = _batch_shell(tmp_path, tmp_path / "run", "75", None, usr1=False)
+    assert "the run is not complete (step exit 75, stopped for time: 0); requeue 1 of at most 2" in out
+    assert scontrol == "requeue 42\n" and code == 75
+
+
+def test_no_requeue_beyond_max_requeues(tmp_path):
+    code, out, scontrol = _batch_shell(tmp_path, tmp_path / "run", "stop", 2, usr1=True)
+    assert "the job was requeued 2 time(s), the most --max-requeues allows" in out
+    assert scontrol == "" and code == 75  # stopped for time, not complete: the job fails
+
+
+# ---- the real SLURM -------------------------------------------------------------------------
+
+SETTINGS = ["checkpoint.save_every=0", "logging.tensorboard=false", "logging.progress_bar=false"]
+TIME_LIMIT_S, LEAD_S = 120, 30
+
+
+def _start(command: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(process: subprocess.Popen, timeout: float) -> None:
+    from stapo_megatron.runtime.launch import kill_tree
+
+    try:
+        _, err = process.communicate(timeout=timeout)
+    finally:
+        kill_tree(process.pid)
+    assert process.returncode == 0, err[-3000:]
+
+
+def _steps_for_three_allocations(tmp_path: Path, env: dict) -> int:
+    """run.steps that two allocations cannot finish on this machine now.
+
+    A tiny run alone gives the seconds per step and of start-up; SLURM's USR1 comes at the
+    earliest LEAD_S before the limit, so one allocation trains at most TIME_LIMIT_S - LEAD_S -
+    start-up seconds, at this speed at most (the reference run beside the chain slows it).
+    """
+    from tests.trainer.runs import metrics, train_command
+
+    started = time.monotonic()
+    _finish(_start(train_command(tmp_path / "calibration", "run.steps=12", *SETTINGS), env), timeout=300)
+    wall = time.monotonic() - started
+    per_step = sorted(row["time/step"] for row in metrics(tmp_path / "calibration"))[6]
+    most_per_allocation = max(TIME_LIMIT_S - LEAD_S - (wall - 12 * per_step), 10) / per_step
+    return max(30, round(2.0 * most_per_allocation))
+
+
+@pytest.mark.slow
+def test_two_minute_allocations_finish_a_longer_run_bit_identical(slurm_cluster, tmp_path):
+    from tests.launch.test_slurm_submit import experiment_id, stapo
+    from tests.slurm.cluster import PARTITION
+    from tests.trainer.runs import checkpoint_tensors, metrics, train_command
+
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**slurm_cluster.env, "NEMORUN_HOME": str(tmp_path / "nemo_home"), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    steps = _steps_for_three_allocations(tmp_path, env)
+    overrides = [f"run.steps={steps}", *SETTINGS]
+    # the uninterrupted reference trains meanwhile (the chain's length is set by its time limits)
+    reference_dir = tmp_path / "reference"
+    reference = _start(train_command(reference_dir, *overrides), env)
+    try:
+        done = stapo(
+            "submit", "--executor", "slurm", "--account", "stapo", "--partition", PARTITION, "--time", "2",
+            "--signal-lead", str(LEAD_S), "--max-requeues", "8", "--gpus-per-node", "0", "--procs-per-node", "2",
+            "--job-name", "chain", "--wait", "run.output_dir=run", *overrides,
+            env=env, cwd=work, timeout=1200,
+        )
+    finally:
+        _finish(reference, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    assert "finished: SUCCEEDED" in done.stdout
+    exp_id = experiment_id(done.stdout)
+    job_id = done.stdout.split(": slurm job ")[1].split(",")[0]
+
+    # every allocation is in the accounting: the requeued ones, then the one that completed
+    sacct = slurm_cluster.run("sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "State")
+    states = sacct.stdout.split()
+    assert len(states) >= 3 and states[-1] == "COMPLETED" and set(states[:-1]) == {"REQUEUED"}, sacct.stdout
+
+    # each allocation's ranks: stopped on the signal with a checkpoint, the next resumed from it
+    job_dir = next((tmp_path / "nemo_home" / "experiments" / "chain").glob(f"{exp_id}/chain"))
+    stopped, resumed = [], []
+    for restart in range(len(states)):
+        log = (job_dir / f"log-stapo.chain_{job_id}_{restart}.out").read_text()
+        stopped += [int(line.split("checkpoint of step ")[1].split()[0]) for line in log.splitlines()
+                    if "stop requested: checkpoint of step" in line]
+        resumed += [int(line.split("(step ")[1].rstrip(")")) for line in log.splitlines() if "[stapo] resumed from" in line]
+    assert len(stopped) == len(states) - 1 and resumed == stopped, (stopped, resumed)
+    assert stopped == sorted(stopped) and 0 < stopped[0] and stopped[-1] < steps
+    batch_log = (job_dir / f"sbatch_stapo.chain_{job_id}.out").read_text().splitlines()  # with bash's -vx echo
+    assert sum(line.startswith("stapo: USR1, the time limit is 30 s away") for line in batch_log) == len(states) - 1
+    assert [line for line in batch_log if line.startswith("stapo: the run is not complete")] == [
+        f"stapo: the run is not complete (step exit 0, stopped for time: 1); requeue {i} of at most 8" for i in range(1, len(states))]
+
+    # the end: every step logged once, in order, and the same parameters as the uninterrupted run
+    assert [row["step"] for row in metrics(work / "run")] == list(range(1, steps + 1))
+    final = f"iter_{steps:07d}"
+    chained = checkpoint_tensors(work / "run" / "checkpoints" / final)
+    uninterrupted = checkpoint_tensors(reference_dir / "checkpoints" / final)
+    parameters = [k for k in uninterrupted if not k.startswith("optimizer.")]
+    assert "embedding.word_embeddings.weight" in parameters and len(parameters) == 10
+    for key in parameters:
+        assert torch.equal(chained[key], uninterrupted[key]), f"{key} differs from the uninterrupted run"
