@@ -1,9 +1,9 @@
 """Hugging Face Qwen3 <-> Megatron distributed checkpoints, at any TP/PP, streaming.
 
 No process holds the whole model: each rank builds its own pipeline stage and tensor-parallel
-shards, reads only its slices of the Hugging Face tensors, and on export gathers one parameter
-at a time across its tensor-parallel group. :func:`export_hf_tensors` is the same stream that
-weight sync to a rollout engine uses.
+shards, reads only its slices of the Hugging Face tensors, and on export writes its own share of
+them (:mod:`stapo_megatron.checkpoint.export`, the same per-rank iterator the weight sync to the
+rollout servers uses).
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from stapo_megatron.checkpoint.dist import ASSETS_DIR, load_common, load_dist, save_dist
+from stapo_megatron.checkpoint.export import DEFAULT_BUCKET_BYTES, iter_rank_buckets, rank_export_names, stage_layer_offset, unwrap
 from stapo_megatron.checkpoint.integrity import verify_checkpoint
 from stapo_megatron.checkpoint.hf_io import (
     HFCheckpoint,
@@ -28,14 +28,7 @@ from stapo_megatron.checkpoint.hf_io import (
 from stapo_megatron.config import ConfigError
 from stapo_megatron.models.qwen3.config import Qwen3Config
 from stapo_megatron.models.qwen3.parallelize import build_stage, check_layout
-from stapo_megatron.models.qwen3.state_dict_adapter import (
-    ParamMapping,
-    gather_dim,
-    hf_tensor_shapes,
-    load_shard,
-    param_mappings,
-    to_hf,
-)
+from stapo_megatron.models.qwen3.state_dict_adapter import hf_tensor_shapes, load_shard, param_mappings
 
 MODEL_KEY = "model"
 META_KEY = "stapo"
@@ -51,19 +44,6 @@ def hf_assets(directory: str | Path) -> dict[str, Path]:
     """The tokenizer and generation files of a Hugging Face directory, by file name."""
     directory = Path(directory)
     return {name: directory / name for name in TOKENIZER_FILES if (directory / name).is_file()}
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside Megatron's DDP / Float16Module wrappers."""
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module
-    return model
-
-
-def stage_layer_offset(model: torch.nn.Module) -> int:
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    return get_transformer_layer_offset(unwrap(model).config)
 
 
 def checkpoint_meta(arch: Qwen3Config, params_dtype: torch.dtype) -> dict:
@@ -116,106 +96,13 @@ def fill_from_hf(model: torch.nn.Module, arch: Qwen3Config, hf: HFCheckpoint) ->
         param.copy_(shard)
 
 
-def _exported(mapping: ParamMapping, arch: Qwen3Config) -> bool:
-    # With tied embeddings the last stage's output layer is a copy; stage 0 exports the original.
-    return not (mapping.megatron_name == "output_layer.weight" and arch.tie_word_embeddings)
-
-
-def export_plan(model: torch.nn.Module, arch: Qwen3Config, dtype: torch.dtype | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """(Hugging Face name, shape, dtype) of every tensor this stage exports, in export order."""
-    model = unwrap(model)
-    shapes = hf_tensor_shapes(arch)
-    params = dict(model.named_parameters())
-    plan = []
-    for mapping in param_mappings(model, arch, stage_layer_offset(model)):
-        if _exported(mapping, arch):
-            out_dtype = dtype or params[mapping.megatron_name].dtype
-            plan.extend((name, shapes[name], out_dtype) for name in mapping.hf_names)
-    return plan
-
-
-@torch.no_grad()
-def _stage_tensors(model: torch.nn.Module, arch: Qwen3Config, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """This stage's Hugging Face tensors, TP-gathered; yielded on every TP rank of the stage."""
-    from megatron.core import parallel_state as ps
-
-    model = unwrap(model)
-    tp_group = ps.get_tensor_model_parallel_group()
-    tp_size = ps.get_tensor_model_parallel_world_size()
-    params = dict(model.named_parameters())
-    for mapping in param_mappings(model, arch, stage_layer_offset(model)):
-        if not _exported(mapping, arch):
-            continue
-        local = params[mapping.megatron_name].detach()
-        if mapping.layout == "replicated" or tp_size == 1:
-            full = local
-        else:
-            # Gather straight into one buffer: a single full-size tensor, no list of shards.
-            stacked = local.new_empty((tp_size * local.shape[0], *local.shape[1:]))
-            dist.all_gather_into_tensor(stacked, local.contiguous(), group=tp_group)
-            full = stacked
-            if gather_dim(mapping) == 1:
-                full = stacked.reshape(tp_size, *local.shape).transpose(0, 1).reshape(local.shape[0], -1)
-        for name, tensor in to_hf(mapping, full, arch, tp_size):
-            yield name, tensor.to(dtype or tensor.dtype).contiguous()
-
-
-def export_hf_tensors(
-    model: torch.nn.Module, arch: Qwen3Config, *, dtype: torch.dtype | None = None, destination: str = "first_rank"
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream the model as (Hugging Face name, full tensor) pairs, one tensor at a time.
-
-    Collective over one data-parallel replica's model-parallel group: every rank of it must
-    exhaust the iterator. ``destination="stage"``: each stage's TP-rank-0 receives its own
-    stage's tensors (for writing files). ``destination="first_rank"``: the replica's first rank
-    receives every tensor, stage by stage (for weight sync). Other ranks receive nothing.
-    """
-    from megatron.core import parallel_state as ps
-
-    if destination not in ("stage", "first_rank"):
-        raise ValueError(f"destination must be 'stage' or 'first_rank', got {destination!r}")
-    tp_rank = ps.get_tensor_model_parallel_rank()
-    pp_rank = ps.get_pipeline_model_parallel_rank()
-    pp_size = ps.get_pipeline_model_parallel_world_size()
-    if destination == "stage" or pp_size == 1:
-        for name, tensor in _stage_tensors(model, arch, dtype):
-            if tp_rank == 0:
-                yield name, tensor
-        return
-    pp_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
-    pp_group = ps.get_pipeline_model_parallel_group()
-    first = pp_ranks[0]
-    for stage in range(pp_size):
-        if stage == 0:
-            for name, tensor in _stage_tensors(model, arch, dtype):
-                if tp_rank == 0:
-                    yield name, tensor
-            continue
-        if tp_rank != 0:
-            if pp_rank == stage:
-                for _ in _stage_tensors(model, arch, dtype):
-                    pass
-            continue
-        # TP-rank-0 of each stage: the stage tells the first rank what it will send, then sends it.
-        plan = [export_plan(model, arch, dtype) if pp_rank == stage else None]
-        dist.broadcast_object_list(plan, src=pp_ranks[stage], group=pp_group)
-        if pp_rank == stage:
-            for _, tensor in _stage_tensors(model, arch, dtype):
-                dist.send(tensor, dst=first)
-        elif pp_rank == 0:
-            for name, shape, out_dtype in plan[0]:
-                tensor = torch.empty(shape, dtype=out_dtype, device=next(unwrap(model).parameters()).device)
-                dist.recv(tensor, src=pp_ranks[stage])
-                yield name, tensor
-
-
 # ---- the two conversions, each run by every rank of a TP x PP launch --------------------------
 
 
-def _init_ranks(tp: int, pp: int) -> None:
+def _init_ranks(tp: int, pp: int):
     from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
 
-    init_distributed(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp))
+    return init_distributed(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp))
 
 
 def _hf_dtype(hf: HFCheckpoint) -> torch.dtype:
@@ -238,31 +125,28 @@ def hf_to_megatron_rank(hf_dir: str, out_dir: str, tp: int, pp: int, dtype_name:
 def megatron_to_hf_rank(
     ckpt_dir: str, tp: int, pp: int, dtype_name: str | None, max_shard_bytes: int, staging: str
 ) -> None:
-    from megatron.core import parallel_state as ps
-
-    from stapo_megatron.runtime.distributed import device
-
-    _init_ranks(tp, pp)
+    """Every rank writes its own share of the HF tensors (its stage, the parameters it owns in its
+    TP group) into its own files; rank 0 names the files and writes the index."""
+    ctx = _init_ranks(tp, pp)
     arch, params_dtype = read_meta(ckpt_dir)
     dtype = dtype_from_name(dtype_name) if dtype_name else None
-    model = build_stage(arch, params_dtype=params_dtype, perform_initialization=False, device=device())
+    model = build_stage(arch, params_dtype=params_dtype, perform_initialization=False, device=ctx.device)
     load_model(model, ckpt_dir)
-    writer = None
-    if ps.get_tensor_model_parallel_rank() == 0:
-        writer = SafetensorsStreamWriter(
-            staging, export_plan(model, arch, dtype), max_shard_bytes, prefix=f"stage{ps.get_pipeline_model_parallel_rank():04d}-"
-        )
-    for name, tensor in export_hf_tensors(model, arch, dtype=dtype, destination="stage"):
-        writer.write(name, tensor)
-    files = []
-    if writer is not None:
-        writer.close()
-        files = writer.files
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, files)
-    if dist.get_rank() == 0:
+    names = rank_export_names(model, arch, ctx.tp_size, ctx.tp_rank)
+    shapes = hf_tensor_shapes(arch)
+    out_dtype = dtype or params_dtype
+    writer = SafetensorsStreamWriter(
+        staging, [(name, shapes[name], out_dtype) for name in names], max_shard_bytes, prefix=f"rank{ctx.rank:05d}-"
+    )
+    for bucket in iter_rank_buckets(model, arch, ctx, bucket_bytes=min(max_shard_bytes, DEFAULT_BUCKET_BYTES), dtype=dtype):
+        for name, tensor in bucket.named_tensors():
+            writer.write(name, tensor)
+    writer.close()
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, writer.files, group=ctx.cpu_group)
+    if ctx.rank == 0:
         finalize_shards(staging, [f for rank_files in gathered for f in rank_files])
-    dist.barrier()
+    dist.barrier(group=ctx.cpu_group)
 
 
 # ---- the entry points: check cheaply, then launch the ranks -----------------------------------

@@ -54,29 +54,14 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-_CPU_GROUP: tuple | None = None  # (the default group it was made for, the gloo group)
-
-
 def cpu_group():
-    """The process group for Python objects and CPU-side metadata (gloo), or None for the default
-    group when that is gloo already (CPU runs) or there is no process group.
-
-    On GPU machines the default group is NCCL; a gloo group over all ranks is created the first
-    time any checkpoint code needs it (collectively: every rank reaches that point together) and
-    reused. This is the one place to point at a shared CPU group of the runtime.
-    """
-    global _CPU_GROUP
-    if not dist.is_initialized() or dist.get_backend() == "gloo":
+    """The gloo group of every rank for Python objects and CPU metadata (the runtime's one group,
+    :func:`stapo_megatron.runtime.distributed.cpu_group`), or None without a process group."""
+    if not dist.is_initialized():
         return None
-    world = dist.group.WORLD
-    from stapo_megatron.runtime import distributed as runtime
+    from stapo_megatron.runtime.distributed import cpu_group as runtime_cpu_group
 
-    shared = getattr(runtime, "_cpu_groups", {}).get(world)  # the runtime's, when init_distributed made one
-    if shared is not None:
-        return shared
-    if _CPU_GROUP is None or _CPU_GROUP[0] is not world:
-        _CPU_GROUP = (world, dist.new_group(backend="gloo"))
-    return _CPU_GROUP[1]
+    return runtime_cpu_group()
 
 
 def _barrier() -> None:

@@ -8,6 +8,7 @@ it will hold, then appends each tensor as it arrives: the writer holds one tenso
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -52,10 +53,18 @@ class HFCheckpoint:
         self.path = Path(path)
         index = self.path / INDEX_FILE
         if index.is_file():
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f).get("weight_map")
+            try:
+                with open(index, encoding="utf-8") as f:
+                    content = json.load(f)
+            except (ValueError, RecursionError) as err:
+                raise ConfigError(f"{index}: not valid JSON ({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+            weight_map = content.get("weight_map") if isinstance(content, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ConfigError(f"{index}: has no weight_map")
+            for name, file in weight_map.items():
+                # Shards are files of this directory, never paths elsewhere.
+                if not isinstance(file, str) or not file or "/" in file or "\\" in file or file in (".", ".."):
+                    raise ConfigError(f"{index}: tensor {name} is mapped to {file!r}, not a file of this directory")
             files = sorted(set(weight_map.values()))
         elif (self.path / SINGLE_FILE).is_file():
             weight_map, files = None, [SINGLE_FILE]
@@ -145,25 +154,81 @@ def _read_into(f, offset: int, out: torch.Tensor) -> None:
         done += n
 
 
+# Bounds on what a safetensors header may claim, checked before anything is allocated.
+MAX_HEADER_BYTES = 100 * 1024**2
+MAX_DIMS = 64
+_ITEM_SIZES = {code: torch.empty((), dtype=dtype).element_size() for code, dtype in _CODE_DTYPES.items()}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        duplicate = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"tensor {duplicate} appears twice")
+    return dict(pairs)
+
+
 def _read_header(path: Path) -> dict[str, _Entry]:
+    """The tensors of a safetensors file, every claim of its header checked against the file:
+    bounded header, known dtypes, non-negative shapes, offsets inside the data, sizes that match
+    the shape, no two tensors sharing bytes. Each violation is a one-line ConfigError."""
+    file_size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
-            raise ConfigError(f"{path}: truncated safetensors file")
+            raise ConfigError(f"{path}: truncated safetensors file ({file_size} bytes, no header)")
         (size,) = struct.unpack("<Q", raw)
-        try:
-            header = json.loads(f.read(size))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ConfigError(f"{path}: corrupt safetensors header") from None
+        if size > min(MAX_HEADER_BYTES, file_size - 8):
+            raise ConfigError(
+                f"{path}: safetensors header of {size} bytes claimed, but the file holds {file_size - 8} after the "
+                f"length (and at most {MAX_HEADER_BYTES} are accepted)"
+            )
+        encoded = f.read(size)
+    try:
+        header = json.loads(encoded.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(f"{path}: corrupt safetensors header ({reason})") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{path}: corrupt safetensors header (not a JSON object)")
+    if not isinstance(header.get("__metadata__", {}), dict):
+        raise ConfigError(f"{path}: corrupt safetensors header (__metadata__ is not an object)")
     data_start = 8 + size
-    entries = {}
+    data_size = file_size - data_start
+    entries, spans = {}, []
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in _CODE_DTYPES:
-            raise ConfigError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        begin, end = info["data_offsets"]
-        entries[name] = _Entry(path, tuple(info["shape"]), _CODE_DTYPES[info["dtype"]], data_start + begin, end - begin)
+        where = f"{path}: tensor {name}"
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+            raise ConfigError(f"{where}: needs dtype, shape and data_offsets")
+        code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if not isinstance(code, str) or code not in _CODE_DTYPES:
+            raise ConfigError(f"{where} has unsupported dtype {code!r}")
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
+            raise ConfigError(f"{where}: shape must be a list of at most {MAX_DIMS} non-negative integers, got {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+            raise ConfigError(f"{where}: data_offsets must be two integers, got {offsets!r}")
+        begin, end = offsets
+        if not 0 <= begin <= end <= data_size:
+            raise ConfigError(f"{where}: data_offsets [{begin}, {end}] are outside the file's {data_size} data bytes")
+        nbytes = math.prod(shape) * _ITEM_SIZES[code]
+        if nbytes != end - begin:
+            needs = nbytes if nbytes <= data_size else "more than the file holds"
+            raise ConfigError(
+                f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes, but shape {shape} of {code} needs {needs}"
+            )
+        entries[name] = _Entry(path, tuple(shape), _CODE_DTYPES[code], data_start + begin, end - begin)
+        if end > begin:
+            spans.append((begin, end, name))
+    spans.sort()
+    for (_, first_end, first), (second_begin, _, second) in zip(spans, spans[1:]):
+        if second_begin < first_end:
+            raise ConfigError(f"{path}: tensor {second} overlaps tensor {first} (data_offsets share bytes)")
     return entries
 
 

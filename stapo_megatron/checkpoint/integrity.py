@@ -98,7 +98,7 @@ def assign_shares(files: dict[str, int], world: int, by_writer: bool = False) ->
     shares: list[list[str]] = [[] for _ in range(world)]
     load = [0] * world
     rest = []
-    for name, size in files.items():
+    for name, size in sorted(files.items()):
         match = _DATA_FILE_RE.match(name) if by_writer else None
         if match and int(match.group(1)) < world:
             writer = int(match.group(1))

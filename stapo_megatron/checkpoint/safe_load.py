@@ -25,6 +25,7 @@ import io
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -154,17 +155,18 @@ def _first_line(err: BaseException) -> str:
 
 
 def _weights_only_reason(err: BaseException) -> str:
-    """The informative part of torch's multi-paragraph weights_only refusal."""
-    lines = []
-    for line in str(err).splitlines():
-        line = line.strip()
-        if not line or line.startswith(("Weights only load failed", "Check the documentation")):
-            continue
-        if "WeightsUnpickler error:" in line:
-            line = line.split("WeightsUnpickler error:", 1)[1].strip()
-        if line:
-            lines.append(line)
-    return " ".join(lines) or _first_line(err)
+    """The informative sentence of torch's multi-paragraph weights_only refusal."""
+    text = str(err)
+    named = re.search(r"GLOBAL ([\w.]+)", text)
+    if named:
+        return f"it refers to {named.group(1)}, which is not plain data (only tensors and plain Python data are loaded)"
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+        text = text.split("Check the documentation", 1)[0]
+    else:
+        text = "" if text.startswith("Weights only load failed") else text
+    reason = " ".join(text.split()).split(". ")[0].rstrip(".")
+    return reason or _first_line(err)
 
 
 def load_stored_object(source: str | os.PathLike | io.BytesIO, name: str, map_location=None) -> Any:

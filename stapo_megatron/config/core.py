@@ -367,6 +367,10 @@ def build(cls: type, data: Any, where: str = "") -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     prefix = f"{where}." if where else ""
     unknown = sorted(set(data) - set(fields))
+    removed = getattr(cls, "REMOVED_FIELDS", {})  # field -> what replaced it, for old configs
+    for name in unknown:
+        if name in removed:
+            raise ConfigError(f"{prefix}{name}: {removed[name]}")
     if unknown:
         raise ConfigError(
             f"{prefix}{unknown[0]}: unknown field (known fields of {where or 'the config'}: "

@@ -1,4 +1,5 @@
-"""Measure what ``stapo plan`` estimates, on this machine: activation peaks and optimizer bytes.
+"""Measure what ``stapo plan`` estimates, on this machine: activation peaks, optimizer bytes, and
+the bytes the trainer's offload moves out of the rollout phase.
 
 Both run inside an initialised world (``init_distributed``) whose parallel state is the layout
 to measure; tests/launch and benchmarks/plan.py spawn those worlds with gloo on CPU.
@@ -35,7 +36,7 @@ def allocation_peak(fn) -> tuple[int, int]:
 
 
 def activation_peak(
-    arch: Qwen3Config, *, seq_len: int, micro_batch: int, recompute: str = "none",
+    arch: Qwen3Config, *, seq_len: int, micro_batch: int, recompute: str = "none", sequence_parallel: bool = False,
     params_dtype: torch.dtype = torch.float32, logits_chunk: int = 1024, seed: int = 0,
 ) -> int:
     """Peak bytes of one forward + backward of this rank's stage (PP = 1) with the trainer's
@@ -48,7 +49,7 @@ def activation_peak(
     if ps.get_pipeline_model_parallel_world_size() != 1:
         raise ValueError("activation_peak measures a whole model (pipeline_parallel = 1)")
     torch.manual_seed(seed)
-    model = build_stage(arch, params_dtype=params_dtype, recompute=recompute)
+    model = build_stage(arch, params_dtype=params_dtype, recompute=recompute, sequence_parallel=sequence_parallel)
     ids = torch.randint(0, arch.vocab_size, (micro_batch, seq_len))
     positions = torch.arange(seq_len).expand(micro_batch, seq_len)
     group = ps.get_tensor_model_parallel_group()
@@ -106,8 +107,18 @@ def optimizer_footprint(arch: Qwen3Config, *, params_dtype: torch.dtype = torch.
                     main_bytes += main.numel() * main.element_size()
                 state = torch_opt.state.get(main, {})
                 state_bytes += sum(t.numel() * t.element_size() for k, t in state.items() if k in ("exp_avg", "exp_avg_sq"))
+    # what the rollout phase leaves on the GPU: the trainer's offload moves each part out and back
+    from stapo_megatron.trainer.offload import OPTIMIZER, PARAMS, TrainerOffload
+
+    offload = TrainerOffload(ddp, optimizer, torch.device("cpu"))
+    offloaded = {OPTIMIZER: offload.offload(OPTIMIZER), PARAMS: offload.offload(PARAMS)}
+    offload.reload()
     return {
         "params": params,
         "buffer_numel": sum(b.grad_data.numel() for b in ddp.buffers),
         "optimizer_bytes": main_bytes + state_bytes,
+        "offloaded_bytes": offloaded,
+        # Adam's step counters (one fp32 scalar per main parameter), which the planner leaves out
+        "adam_step_bytes": sum(4 for o in getattr(optimizer, "chained_optimizers", [optimizer])
+                               for g in o.optimizer.param_groups for _ in g["params"]),
     }

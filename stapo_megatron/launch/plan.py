@@ -8,9 +8,12 @@ per parameter (2 bf16, 4 fp32), m micro-batches per optimizer step on one DP ran
 Parameters of pipeline stage r (every tensor-parallel rank holds the same count):
 
     per layer   2h + 2 head_dim + (h q + (q + 2k) h + 3 h f) / t
-    N_r         (L/p) x per layer  [+ Vp h / t embedding, first stage]
+    N_r         L_r x per layer    [+ Vp h / t embedding, first stage]
                                    [+ h final norm + Vp h / t output layer, last stage; the
                                       output layer exists unless embeddings are tied and p = 1]
+    L_r         the layers of stage r: L/p, or when p does not divide L the split of
+                models/qwen3/config.py::pipeline_split (first, m, ..., m, last: Megatron's
+                uneven first/last stages), which the planner reports
 
 Static bytes (Megatron DDP with an fp32 gradient buffer, as the trainer builds it):
 
@@ -34,9 +37,12 @@ Activations: bytes one layer keeps for backward, per token, A (multiply by s b p
         none              (16 + 2e) h + ((8 + 5e) q + 12 k + 5e f + (4 + e [e < 4]) a s) / t
         selective         (16 + 2e) h + ((8 + 3e) q + (12 + e) k + 5e f) / t
     full (either)         e h, the layer's input: the layer runs again in backward
+    With sequence parallelism (sp, t > 1) every term of h above is divided by t too: the norms,
+    residuals and each layer's input hold s/t positions per rank, and the column-parallel layers
+    keep their input before the all-gather (gathered again in backward).
 
 Stage r has min(p - r, m) micro-batches in flight (1F1B) and keeps
-    kept = min(p - r, m) x (L/p) x A x s b   [+ the final norm's input and output, last stage]
+    kept = min(p - r, m) x L_r x A x s b   [+ the final norm's input and output, last stage; / t with sp]
 On top of that, one at a time (the loss's backward ends before the first layer's begins):
     work     one layer's backward working set: te 2e f s b / t (SwiGLU input gradient); local
              4 a s^2 b / t (softmax gradient), plus with selective the recomputed attention core
@@ -48,13 +54,22 @@ On top of that, one at a time (the loss's backward ends before the first layer's
              without Transformer Engine also the output layer's weight gradient, e Vp h / t
     activations = kept + max(work, logits)
 
-Per GPU:  total = weights + gradients + optimizer + activations  (of the worst stage)
-                  + SGLang's share (colocate fraction x GPU memory, which colocated servers hold
-                    while the trainer runs) + a fixed reserve (CUDA context, NCCL buffers,
-                    allocator fragmentation).
-          When the servers free their share between rollouts (--sglang-released), activations
-          and servers take turns: weights + gradients + optimizer + max(activations, share)
-          + reserve.
+Per GPU, the two phases of a step with colocated servers holding a share S (their
+mem_fraction_static x GPU memory) and a fixed reserve R (CUDA context, NCCL buffers, allocator
+fragmentation):
+    train phase    weights + gradients + optimizer + activations  (of the worst stage)
+                   + S unless the servers release their memory while the trainer runs
+                     (--sglang-released) + R
+    rollout phase  S + R + what the trainer keeps: weights + gradients + optimizer, or with
+                   --offload (compute.offload_while_generating) only the weights, resident for
+                   the weight sync while the servers hold their memory
+    total          max(train phase, rollout phase)
+Rollout capacity of a server of TP t_s (SGLang sizes its KV cache per GPU at start):
+    KV bytes per token per GPU   2 x L x max(kv_heads / t_s, 1) x head_dim x 2 (bf16 cache)
+    KV cache per GPU             S - (parameters x 2) / t_s
+    tokens per server            floor(KV cache per GPU / KV bytes per token per GPU)
+    sequences per server         floor(tokens per server / (max prompt + max new tokens))
+Colocated, every GPU of the job serves (GPUs / t_s servers); disaggregated, the dedicated servers.
 Sizes are GiB (2^30 bytes); "80 GB" GPUs such as the H100 have 79.6 GiB usable, within the
 reserve. Checked against models built on the meta device (parameter counts per stage, exact)
 and against the peak memory of forward + backward of small models on CPU (tests/launch).
@@ -105,6 +120,7 @@ class Workload:
     micro_batch: int = 1
     sequences_per_minibatch: int = 512  # the paper: 64 prompts x G = 8
     recompute: Recompute = "none"
+    sequence_parallel: bool = False  # Megatron's sequence parallelism (only acts at TP > 1)
     kernels: Kernels = "te"
     params_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     distributed_optimizer: bool = True
@@ -129,8 +145,8 @@ def check_layout_fits_model(arch: Qwen3Config, tp: int, pp: int) -> str | None:
         return f"TP {tp} does not divide the {arch.num_attention_heads} attention heads"
     if arch.num_key_value_heads % tp:
         return f"TP {tp} does not divide the {arch.num_key_value_heads} key/value heads"
-    if arch.num_hidden_layers % pp:
-        return f"PP {pp} does not divide the {arch.num_hidden_layers} layers"
+    if pp > arch.num_hidden_layers:
+        return f"PP {pp} is more than the {arch.num_hidden_layers} layers"
     return None
 
 
@@ -146,7 +162,7 @@ def stage_parameters(arch: Qwen3Config, tp: int, pp: int, stage: int) -> list[Pa
     params = []
     if first:
         params.append(Param("embedding.word_embeddings.weight", vp // tp * h, shared_embedding=tied and pp > 1))
-    for i in range(arch.num_hidden_layers // pp):
+    for i in range(arch.layers_per_stage(pp)[stage]):
         prefix = f"decoder.layers.{i}."
         params += [
             Param(prefix + "input_layernorm.weight", h),
@@ -217,14 +233,15 @@ def layer_activation_bytes(arch: Qwen3Config, tp: int, work: Workload, recompute
     q = arch.num_attention_heads * arch.head_dim
     k = arch.num_key_value_heads * arch.head_dim
     a, s = arch.num_attention_heads, work.seq_len
+    sp = tp if work.sequence_parallel else 1  # the sequence-parallel regions hold s/t positions
     if recompute == "full":
-        return e * h
+        return e * h / sp
     if work.kernels == "te":
-        return 4 * e * h + e * (3 * q + 3 * k + 3 * f) / tp
+        return 4 * e * h / sp + e * (3 * q + 3 * k + 3 * f) / tp
     low = 1 if e < 4 else 0
     if recompute == "selective":
-        return (16 + 2 * e) * h + ((8 + 3 * e) * q + (12 + e) * k + 5 * e * f) / tp
-    return (16 + 2 * e) * h + ((8 + 5 * e) * q + 12 * k + 5 * e * f + (4 + e * low) * a * s) / tp
+        return (16 + 2 * e) * h / sp + ((8 + 3 * e) * q + (12 + e) * k + 5 * e * f) / tp
+    return (16 + 2 * e) * h / sp + ((8 + 5 * e) * q + 12 * k + 5 * e * f + (4 + e * low) * a * s) / tp
 
 
 def backward_working_set(arch: Qwen3Config, tp: int, work: Workload) -> float:
@@ -270,6 +287,7 @@ class StageMemory:
     working: float  # one layer's backward working set
     logits: float  # the loss's peak (last stage): logits slice, its gradient, chunk buffers
     optimizer_by_dp_rank: list[float] = dataclasses.field(default_factory=list)
+    layers: int = 0  # decoder layers of this stage
 
     @property
     def peak_activations(self) -> float:
@@ -289,19 +307,30 @@ class Estimate:
     reserve: float
     gpu_memory: float
     sglang_released: bool = False  # the servers free their share while the trainer runs
+    offload: bool = False  # the trainer's state waits in host memory while the servers generate
+
+    @property
+    def layer_split(self) -> str:
+        """Decoder layers per pipeline stage, e.g. ``9/10/9``."""
+        return "/".join(str(st.layers) for st in self.stages)
 
     @property
     def worst(self) -> StageMemory:
         return max(self.stages, key=lambda st: st.trainer)
 
     @property
+    def train_phase(self) -> float:
+        return self.worst.trainer + (0.0 if self.sglang_released else self.sglang) + self.reserve
+
+    @property
+    def rollout_phase(self) -> float:
+        """The servers' share plus what the trainer keeps while they hold it (at the weight sync)."""
+        kept = max(st.weights if self.offload else st.weights + st.grads + st.optimizer for st in self.stages)
+        return kept + self.sglang + self.reserve
+
+    @property
     def total(self) -> float:
-        worst = self.worst
-        if self.sglang_released:
-            # servers and activations take turns: the servers are back for the weight sync only
-            static = worst.weights + worst.grads + worst.optimizer
-            return static + max(worst.peak_activations, self.sglang) + self.reserve
-        return worst.trainer + self.sglang + self.reserve
+        return max(self.train_phase, self.rollout_phase)
 
     @property
     def fits(self) -> bool:
@@ -342,24 +371,25 @@ def stage_memory(arch: Qwen3Config, layout: Layout, work: Workload, stage: int) 
             shards[rank] += (8 + (4 if nbytes < 4 else 0)) * numel
     tokens = work.seq_len * work.micro_batch
     in_flight = min(pp - stage, microbatches_per_step(layout, work))
-    layers = arch.num_hidden_layers // pp
+    layers = arch.layers_per_stage(pp)[stage]
     kept = in_flight * layers * layer_activation_bytes(arch, tp, work) * tokens
     logits = 0.0
     if stage == pp - 1:
-        # the final norm keeps its input and output (te: 2e h; local: (16 + 2e) h / 2)
+        # the final norm keeps its input and output (te: 2e h; local: (16 + 2e) h / 2), s/t positions with sp
         e = work.param_bytes
-        kept += (2 * e if work.kernels == "te" else 8 + e) * arch.hidden_size * tokens
+        sp = tp if work.sequence_parallel else 1
+        kept += (2 * e if work.kernels == "te" else 8 + e) * arch.hidden_size * tokens / sp
         logits = logits_bytes(arch, tp, work)
     return StageMemory(
         stage=stage, params=sum(p.numel for p in params), weights=weights, grads=grads,
         optimizer=max(shards), activations=kept, working=backward_working_set(arch, tp, work), logits=logits,
-        optimizer_by_dp_rank=shards,
+        optimizer_by_dp_rank=shards, layers=layers,
     )
 
 
 def estimate(
     arch: Qwen3Config, layout: Layout, work: Workload, *, gpu_memory_gb: float = 80.0,
-    colocate_fraction: float = 0.0, reserve_gb: float = 4.0, sglang_released: bool = False,
+    colocate_fraction: float = 0.0, reserve_gb: float = 4.0, sglang_released: bool = False, offload: bool = False,
 ) -> Estimate:
     reason = check_layout_fits_model(arch, layout.tp, layout.pp)
     if reason:
@@ -369,8 +399,63 @@ def estimate(
     stages = [stage_memory(arch, layout, work, r) for r in range(layout.pp)]
     return Estimate(
         layout=layout, stages=stages, sglang=colocate_fraction * gpu_memory_gb * GIB,
-        reserve=reserve_gb * GIB, gpu_memory=gpu_memory_gb * GIB, sglang_released=sglang_released,
+        reserve=reserve_gb * GIB, gpu_memory=gpu_memory_gb * GIB, sglang_released=sglang_released, offload=offload,
     )
+
+
+KV_CACHE_BYTES = 2  # SGLang's KV cache in bf16 (the dtype of the paper configs' servers)
+
+
+def kv_bytes_per_token(arch: Qwen3Config, server_tp: int) -> int:
+    """K and V of every layer for one token, on one GPU of a server (SGLang splits the key/value
+    heads over its TP ranks and replicates them when TP exceeds their count)."""
+    heads = max(arch.num_key_value_heads // server_tp, 1)
+    return 2 * arch.num_hidden_layers * heads * arch.head_dim * KV_CACHE_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutCapacity:
+    """How many sequences of the longest length the servers of one placement hold at once."""
+
+    placement: str
+    servers: int
+    server_tp: int
+    mem_fraction: float
+    kv_cache_per_gpu: float  # bytes
+    tokens_per_server: int
+    max_seq_len: int
+
+    @property
+    def sequences_per_server(self) -> int:
+        return self.tokens_per_server // self.max_seq_len
+
+    @property
+    def sequences(self) -> int:
+        return self.servers * self.sequences_per_server
+
+
+def rollout_capacity(
+    arch: Qwen3Config, *, placement: str, servers: int, server_tp: int, mem_fraction: float,
+    gpu_memory_gb: float, max_seq_len: int,
+) -> RolloutCapacity:
+    weights_per_gpu = arch.num_parameters() * KV_CACHE_BYTES / server_tp
+    kv_cache = max(mem_fraction * gpu_memory_gb * GIB - weights_per_gpu, 0.0)
+    return RolloutCapacity(
+        placement=placement, servers=servers, server_tp=server_tp, mem_fraction=mem_fraction, kv_cache_per_gpu=kv_cache,
+        tokens_per_server=int(kv_cache // kv_bytes_per_token(arch, server_tp)), max_seq_len=max_seq_len,
+    )
+
+
+def format_capacity(capacities: Iterable[RolloutCapacity], arch: Qwen3Config) -> str:
+    lines = []
+    for cap in capacities:
+        lines.append(
+            f"rollout {cap.placement}: {cap.servers} server(s) x TP {cap.server_tp} at mem_fraction_static "
+            f"{cap.mem_fraction:g}: KV cache {cap.kv_cache_per_gpu / GIB:.1f} GiB per GPU "
+            f"({kv_bytes_per_token(arch, cap.server_tp):,} bytes per token) = {cap.tokens_per_server:,} tokens per server "
+            f"= {cap.sequences_per_server:,} sequences of {cap.max_seq_len:,} tokens per server, {cap.sequences:,} at once"
+        )
+    return "\n".join(lines)
 
 
 def _divisors(n: int) -> list[int]:
@@ -393,13 +478,14 @@ def candidate_layouts(arch: Qwen3Config, gpus: int, gpus_per_node: int = 8) -> l
 def plan(
     arch: Qwen3Config, gpus: int, work: Workload, *, gpu_memory_gb: float = 80.0,
     colocate_fraction: float = 0.0, reserve_gb: float = 4.0, gpus_per_node: int = 8, sglang_released: bool = False,
+    offload: bool = False,
 ) -> list[Estimate]:
     """Estimates for every buildable layout of ``gpus`` GPUs, smallest model-parallel group first."""
     if gpus < 1:
         raise ConfigError(f"--gpus: must be >= 1, got {gpus}")
     return [
         estimate(arch, layout, work, gpu_memory_gb=gpu_memory_gb, colocate_fraction=colocate_fraction,
-                 reserve_gb=reserve_gb, sglang_released=sglang_released)
+                 reserve_gb=reserve_gb, sglang_released=sglang_released, offload=offload)
         for layout in candidate_layouts(arch, gpus, gpus_per_node)
     ]
 
@@ -412,34 +498,38 @@ def _gib(x: float) -> str:
 
 
 def format_table(estimates: Iterable[Estimate]) -> str:
-    head = (f"{'TP':>3} {'PP':>3} {'DP':>4} {'params/GPU':>14} {'weights':>7} {'grads':>7} {'optim':>7} {'activ':>7} "
+    head = (f"{'TP':>3} {'PP':>3} {'DP':>4} {'layers':>11} {'params/GPU':>14} {'weights':>7} {'grads':>7} {'optim':>7} {'activ':>7} "
             f"{'work':>7} {'logits':>7} {'sglang':>7} {'reserve':>7} {'total':>7}  fits")
     lines = [head]
     for est in estimates:
         w = est.worst
         lines.append(
-            f"{est.layout.tp:>3} {est.layout.pp:>3} {est.layout.dp:>4} {w.params:>14,} {_gib(w.weights)} {_gib(w.grads)} "
+            f"{est.layout.tp:>3} {est.layout.pp:>3} {est.layout.dp:>4} {est.layer_split:>11} {w.params:>14,} "
+            f"{_gib(w.weights)} {_gib(w.grads)} "
             f"{_gib(w.optimizer)} {_gib(w.activations)} {_gib(w.working)} {_gib(w.logits)} {_gib(est.sglang)} "
             f"{_gib(est.reserve)} {_gib(est.total)}  {'yes' if est.fits else 'no'}"
         )
-    lines.append("GiB per GPU of the worst pipeline stage; total = weights + grads + optim + activ + max(work, logits) "
-                 "+ sglang + reserve (with --sglang-released: sglang takes turns with the activations)")
+    lines.append("layers: decoder layers of each pipeline stage; GiB per GPU of the worst pipeline stage; total = weights "
+                 "+ grads + optim + activ + max(work, logits) + sglang + reserve (with --sglang-released: sglang takes "
+                 "turns with the activations)")
     return "\n".join(lines)
 
 
 def format_stages(est: Estimate) -> str:
-    lines = [f"TP={est.layout.tp} PP={est.layout.pp} DP={est.layout.dp}, GiB per GPU of each pipeline stage:",
-             (f"{'stage':>5} {'params':>14} {'weights':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'work':>7} "
+    lines = [f"TP={est.layout.tp} PP={est.layout.pp} DP={est.layout.dp}, layers per stage {est.layer_split}, "
+             "GiB per GPU of each pipeline stage:",
+             (f"{'stage':>5} {'layers':>6} {'params':>14} {'weights':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'work':>7} "
               f"{'logits':>7} {'trainer':>7}")]
     for st in est.stages:
-        lines.append(f"{st.stage:>5} {st.params:>14,} {_gib(st.weights)} {_gib(st.grads)} {_gib(st.optimizer)} "
+        lines.append(f"{st.stage:>5} {st.layers:>6} {st.params:>14,} {_gib(st.weights)} {_gib(st.grads)} {_gib(st.optimizer)} "
                      f"{_gib(st.activations)} {_gib(st.working)} {_gib(st.logits)} {_gib(st.trainer)}")
     worst, total = est.worst, f"{_gib(est.total).strip()} of {_gib(est.gpu_memory).strip()} GiB: " + (
         "fits" if est.fits else "does not fit")
     if est.sglang_released:
-        static = worst.weights + worst.grads + worst.optimizer
-        lines.append(f"static {_gib(static).strip()} + max(activations {_gib(worst.peak_activations).strip()}, sglang "
-                     f"{_gib(est.sglang).strip()}, released while training) + reserve {_gib(est.reserve).strip()} = {total}")
+        kept = "weights (the rest offloaded)" if est.offload else "weights + grads + optim"
+        lines.append(f"train phase: worst stage {_gib(worst.trainer).strip()} + reserve {_gib(est.reserve).strip()} "
+                     f"(servers released) = {_gib(est.train_phase).strip()}; rollout phase: sglang {_gib(est.sglang).strip()} "
+                     f"+ trainer {kept} + reserve = {_gib(est.rollout_phase).strip()}; peak {total}")
     else:
         lines.append(f"worst stage {_gib(worst.trainer).strip()} + sglang {_gib(est.sglang).strip()} + reserve "
                      f"{_gib(est.reserve).strip()} = {total}")
@@ -458,16 +548,23 @@ def _from_config(args) -> tuple[Qwen3Config | None, dict]:
     colocated = cfg.rollout.engine == "sglang" and sglang.colocated
     return cfg.model, {
         "gpus": cfg.parallel.world_size,
-        "seq_len": cfg.data.max_prompt_tokens + cfg.batch.max_new_tokens,
-        "micro_batch": cfg.batch.micro_batch_size,
+        # a micro-batch is one packed row of up to max_tokens_per_microbatch tokens
+        "seq_len": cfg.batch.max_tokens_per_microbatch,
+        "micro_batch": 1,
         "recompute": cfg.compute.recompute,
+        "sequence_parallel": cfg.parallel.sequence_parallel,
         "dtype": cfg.compute.params_dtype,
         "sequences_per_minibatch": cfg.batch.prompts_per_minibatch * cfg.batch.group_size,
         "logits_chunk": cfg.compute.logits_chunk_size,
         "distributed_optimizer": cfg.optim.distributed,
         "colocate_fraction": sglang.mem_fraction_static if colocated else 0.0,
-        # the trainer has colocated servers free their memory while it trains
-        "sglang_released": colocated and cfg.rollout.release_memory_between_steps,
+        # the trainer has colocated servers free their memory while it trains (always with offload)
+        "sglang_released": colocated and (cfg.rollout.release_memory_between_steps or cfg.compute.offload_while_generating),
+        "offload": colocated and cfg.compute.offload_while_generating,
+        "server_tp": sglang.tp_size,
+        "mem_fraction": sglang.mem_fraction_static,
+        "dedicated_servers": len(sglang.urls) or sglang.num_servers,
+        "rollout_len": cfg.data.max_prompt_tokens + cfg.batch.max_new_tokens,
         "entropy_grad": cfg.algo.entropy_coef > 0,
         "tp": cfg.parallel.tensor_parallel,
         "pp": cfg.parallel.pipeline_parallel,
@@ -495,6 +592,7 @@ def run_plan(args) -> None:
         micro_batch=_pick(args, defaults, "micro_batch", 1),
         sequences_per_minibatch=_pick(args, defaults, "sequences_per_minibatch", 512),
         recompute=_pick(args, defaults, "recompute", "none"),
+        sequence_parallel=args.sequence_parallel or defaults.get("sequence_parallel", False),
         kernels=args.kernels,
         params_dtype=_pick(args, defaults, "dtype", "bfloat16"),
         distributed_optimizer=defaults.get("distributed_optimizer", True) and not args.no_distributed_optimizer,
@@ -511,12 +609,25 @@ def run_plan(args) -> None:
         "gpu_memory_gb": args.gpu_memory_gb,
         "colocate_fraction": _pick(args, defaults, "colocate_fraction", 0.0),
         "reserve_gb": args.reserve_gb,
-        "sglang_released": args.sglang_released or defaults.get("sglang_released", False),
+        "sglang_released": args.sglang_released or args.offload or defaults.get("sglang_released", False),
+        "offload": args.offload or defaults.get("offload", False),
     }
     print(f"{arch.num_parameters():,} parameters; {gpus} GPUs of {args.gpu_memory_gb:g} GiB; sequence {work.seq_len} "
-          f"tokens x micro-batch {work.micro_batch}; recompute {work.recompute}; kernels {work.kernels}; "
+          f"tokens x micro-batch {work.micro_batch}; recompute {work.recompute}"
+          f"{' with sequence parallelism' if work.sequence_parallel else ''}; kernels {work.kernels}; "
           f"{work.params_dtype}; colocated SGLang share {options['colocate_fraction']:g}"
-          f"{' (released while training)' if options['sglang_released'] else ''}")
+          f"{' (released while training)' if options['sglang_released'] else ''}"
+          f"{'; trainer offloaded while generating' if options['offload'] else ''}")
+    server_tp = _pick(args, defaults, "server_tp", 1)
+    if server_tp < 1 or gpus % server_tp:
+        raise ConfigError(f"--server-tp: must be >= 1 and divide the {gpus} GPUs, got {server_tp}")
+    mem_fraction = options["colocate_fraction"] or defaults.get("mem_fraction", 0.8)
+    rollout_len = defaults.get("rollout_len", work.seq_len)
+    print(format_capacity([
+        rollout_capacity(arch, placement=placement, servers=servers, server_tp=server_tp, mem_fraction=mem_fraction,
+                         gpu_memory_gb=args.gpu_memory_gb, max_seq_len=rollout_len)
+        for placement, servers in (("colocated", gpus // server_tp), ("disaggregated", defaults.get("dedicated_servers", 1)))
+    ], arch))
     if args.tp is not None or args.pp is not None or (args.config and not args.search):
         tp, pp = _pick(args, defaults, "tp", 1), _pick(args, defaults, "pp", 1)
         if gpus % (tp * pp):
@@ -546,6 +657,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequences per optimizer step, all DP ranks (default 512 = 64 prompts x 8); bounds the "
                              "micro-batches in flight under pipeline parallelism")
     parser.add_argument("--recompute", choices=["none", "selective", "full"], default=None)
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="Megatron sequence parallelism: the norm/residual activations split over TP (parallel.sequence_parallel)")
     parser.add_argument("--kernels", choices=["te", "local"], default="te",
                         help="te: Transformer Engine with flash attention (GPU); local: Megatron's local spec (no TE)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="parameter dtype (default bfloat16)")
@@ -555,6 +668,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fraction of each GPU held by colocated SGLang servers (their mem_fraction_static); 0: separate GPUs")
     parser.add_argument("--sglang-released", action="store_true",
                         help="colocated servers free their share while the trainer runs (rollout.release_memory_between_steps)")
+    parser.add_argument("--offload", action="store_true",
+                        help="the trainer's state waits in host memory while colocated servers generate "
+                             "(compute.offload_while_generating; implies --sglang-released)")
+    parser.add_argument("--server-tp", type=int, default=None,
+                        help="tensor-parallel size of each SGLang server, for the rollout capacity (default: the config's, else 1)")
     parser.add_argument("--reserve-gb", type=float, default=4.0, help="CUDA context, NCCL and fragmentation (default 4)")
     parser.add_argument("--logits-chunk", type=int, default=None, help="tokens per log-prob/entropy chunk (default 1024)")
     parser.add_argument("--no-distributed-optimizer", action="store_true", help="optimizer state not sharded over DP")

@@ -158,11 +158,16 @@ def check_rollout_placement(cfg: TrainConfig, procs: Processes) -> list[str]:
     notes = []
     sglang = cfg.rollout.sglang
     launching = cfg.rollout.engine == "sglang" and sglang.launches
-    if launching:
-        # the rollout rank (rank 0) starts the servers on its own node
+    if launching and procs.gpus_per_node == 0:
+        raise ConfigError("rollout.engine: SGLang servers need GPUs, but the job requests none (--gpus-per-node 0)")
+    if launching and sglang.colocated:
+        from stapo_megatron.rollout.node_servers import plan_node_servers
+
+        # every node's local rank 0 starts one server per tp_size of its GPUs
+        plan_node_servers(sglang, procs.per_node, procs.nodes)
+    elif launching:
+        # disaggregated: the first node's leader starts the servers on GPUs the trainer does not use
         needed = sglang.base_gpu_id + sglang.num_servers * sglang.tp_size
-        if procs.gpus_per_node == 0:
-            raise ConfigError("rollout.engine: SGLang servers need GPUs, but the job requests none (--gpus-per-node 0)")
         if needed > procs.gpus_per_node:
             raise ConfigError(
                 f"rollout.sglang: {sglang.num_servers} server(s) x tp_size {sglang.tp_size} from GPU {sglang.base_gpu_id} "
@@ -171,7 +176,7 @@ def check_rollout_placement(cfg: TrainConfig, procs: Processes) -> list[str]:
         if not sglang.colocated and sglang.base_gpu_id < procs.per_node:
             raise ConfigError(
                 f"rollout.sglang.base_gpu_id: {sglang.base_gpu_id} puts servers on the trainer's GPUs 0..{procs.per_node - 1}; "
-                f"set it to >= {procs.per_node} or set rollout.sglang.colocated: true"
+                f"set it to >= {procs.per_node} or set rollout.sglang.placement: colocated"
             )
     spare = procs.gpus_per_node - procs.per_node
     if spare > 0 and not (launching and not cfg.rollout.sglang.colocated):

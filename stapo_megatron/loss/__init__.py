@@ -18,7 +18,13 @@ from stapo_megatron.loss.metrics import all_reduce_metrics, reduce_metrics
 from stapo_megatron.loss.policy import k3, policy_loss
 from stapo_megatron.loss.quantile import gather_values, quantile_threshold
 from stapo_megatron.loss.rollout_correction import ROLLOUT_CORRECTIONS, mismatch_sums, rollout_correction, summarize_mismatch
-from stapo_megatron.loss.selection import Selection, minibatch_threshold, needs_statistics_pass, select_tokens
+from stapo_megatron.loss.selection import (
+    Selection,
+    minibatch_threshold,
+    needs_statistics_pass,
+    select_tokens,
+    zero_advantage_skippable,
+)
 from stapo_megatron.loss.token_rules import (
     TOKEN_RULES,
     HighEntropyRule,
@@ -66,4 +72,5 @@ __all__ = [
     "select_tokens",
     "summarize_mismatch",
     "vocab_parallel_logprob_entropy",
+    "zero_advantage_skippable",
 ]

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from stapo_megatron.loss.rollout_correction import rollout_correction as correction_for
+from stapo_megatron.loss.rollout_correction import sequence_sums
 from stapo_megatron.loss.token_rules import broadcast_advantages
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
@@ -61,6 +62,7 @@ def policy_loss(
     rollout_correction: str = "none",
     rollout_correction_cap: float = 2.0,
     rollout_correction_floor: Optional[float] = None,
+    segment_ids: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """(loss_sum, num_tokens, metrics) of one micro-batch; see the module docstring.
 
@@ -69,6 +71,8 @@ def policy_loss(
     (default: the tokens with ``keep`` > 0), ``candidates`` and ``tau_h`` only feed the metrics.
     ``rollout_logprob``: the engine's sampled log-probs, needed when ``rollout_correction`` is not
     ``none`` (see :mod:`.rollout_correction`; ``cap`` and ``floor`` are its bounds).
+    ``segment_ids``: each token's sequence, for packed rows (several sequences in one row); without
+    it each row of a 2-D ``logprob`` is one sequence. Only the per-sequence terms read it.
 
     ``num_tokens`` is an int32 scalar tensor. ``metrics`` are fp64 scalar tensors that add up over
     micro-batches and ranks (:func:`~stapo_megatron.loss.metrics.reduce_metrics`): counts and sums,
@@ -88,7 +92,8 @@ def policy_loss(
         raise ValueError(f"rollout_logprob: needed when rollout_correction is {rollout_correction!r}")
     if entropy_coef and entropy is None:
         raise ValueError("entropy: needed (with a gradient) when entropy_coef > 0")
-    if aggregation == "seq_mean_token_mean" and logprob.dim() != 2:
+    _check_shape("segment_ids", segment_ids, logprob)
+    if aggregation == "seq_mean_token_mean" and segment_ids is None and logprob.dim() != 2:
         raise ValueError(f"logprob: seq_mean_token_mean needs [sequences, tokens], got shape {tuple(logprob.shape)}")
     advantages = broadcast_advantages(advantages, logprob).to(torch.float32)
     weight = keep.to(torch.float32)
@@ -99,7 +104,7 @@ def policy_loss(
     if rollout_correction != "none":
         correction = correction_for(
             old_logprob, rollout_logprob, real | rule_kept, rollout_correction,
-            rollout_correction_cap, rollout_correction_floor,
+            rollout_correction_cap, rollout_correction_floor, segment_ids,
         )
     active = rule_kept if correction is None else rule_kept & correction.accepted
 
@@ -129,6 +134,10 @@ def policy_loss(
     if aggregation == "token_mean":
         loss_sum = weighted.sum()
         num_tokens = active.sum().to(torch.int32)
+    elif segment_ids is not None:
+        per_seq_count = sequence_sums(active.to(torch.float32), segment_ids)
+        loss_sum = (sequence_sums(weighted, segment_ids) / per_seq_count.clamp(min=1)).sum()
+        num_tokens = (per_seq_count > 0).sum().to(torch.int32)
     else:
         per_seq_count = active.sum(-1)
         seq_has_tokens = per_seq_count > 0

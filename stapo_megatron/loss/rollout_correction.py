@@ -50,9 +50,11 @@ def rollout_correction(
     mode: str = "none",
     cap: float = 2.0,
     floor: Optional[float] = None,
+    segment_ids: Optional[torch.Tensor] = None,
 ) -> Correction:
     """The per-token weight and acceptance of ``mode`` (see the module docstring) for tensors of
-    shape [sequences, tokens] (one sequence per row; ``response_mask`` nonzero on its response)."""
+    shape [sequences, tokens] (one sequence per row; ``response_mask`` nonzero on its response),
+    or of any shape with ``segment_ids`` naming each token's sequence (packed rows)."""
     if mode not in ROLLOUT_CORRECTIONS:
         raise ValueError(f"rollout_correction: {mode!r} is not one of {', '.join(ROLLOUT_CORRECTIONS)}")
     if tuple(rollout_logprob.shape) != tuple(old_logprob.shape):
@@ -72,18 +74,33 @@ def rollout_correction(
         # Padding may hold anything: its log-weight is 0 (weight 1) and it never reaches a sum.
         log_w = torch.where(real, old_logprob.double() - rollout_logprob.double(), 0.0)
         if not mode.endswith("_token"):
-            if log_w.dim() != 2:
-                raise ValueError(f"old_logprob: {mode} needs [sequences, tokens], got shape {tuple(log_w.shape)}")
-            per_sequence = log_w.sum(-1, keepdim=True)
-            if mode.endswith("_geo"):
-                per_sequence = per_sequence / real.sum(-1, keepdim=True).clamp(min=1)
-            log_w = per_sequence.expand_as(log_w)
+            if segment_ids is not None:
+                # packed rows: sequence sums by segment, read back at every token of the segment
+                per_sequence = sequence_sums(log_w, segment_ids)
+                if mode.endswith("_geo"):
+                    per_sequence = per_sequence / sequence_sums(real.double(), segment_ids).clamp(min=1)
+                log_w = per_sequence[segment_ids]
+            else:
+                if log_w.dim() != 2:
+                    raise ValueError(f"old_logprob: {mode} needs [sequences, tokens] or segment_ids, got shape {tuple(log_w.shape)}")
+                per_sequence = log_w.sum(-1, keepdim=True)
+                if mode.endswith("_geo"):
+                    per_sequence = per_sequence / real.sum(-1, keepdim=True).clamp(min=1)
+                log_w = per_sequence.expand_as(log_w)
         w = log_w.clamp(-WEIGHT_LOG_CLAMP, WEIGHT_LOG_CLAMP).exp()
         if mode.startswith("tis"):
             truncated = real & (w > cap)
             return Correction(torch.where(real, w.clamp(max=cap), 1.0).float(), real.clone(), truncated)
         accepted = real & (w >= floor) & (w <= cap)
         return Correction(ones, accepted, torch.zeros_like(real))
+
+
+def sequence_sums(values: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
+    """Per-sequence sums ``[S]`` of per-token ``values`` (any shape), sequence s = the tokens
+    with ``segment_ids == s`` (S = max + 1). Differentiable in ``values``."""
+    flat, segments = values.reshape(-1), segment_ids.reshape(-1)
+    count = int(segments.max()) + 1 if segments.numel() else 0
+    return torch.zeros(count, dtype=values.dtype, device=values.device).index_add(0, segments, flat)
 
 
 def mismatch_sums(

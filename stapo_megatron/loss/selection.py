@@ -39,6 +39,23 @@ def needs_statistics_pass(cfg) -> bool:
     return cfg.scope == "mini_batch" and get_token_rule(cfg.token_rule).uses_threshold(cfg)
 
 
+def zero_advantage_skippable(cfg) -> bool:
+    """Whether sequences with advantage 0 can be left out of the statistics passes and of
+    forward/backward without changing the update: their policy-gradient term is -0 * r (no
+    gradient), and no configured term reads them: no entropy bonus, no KL, no masked importance
+    sampling (its rejections change the token count), and a token rule that keeps them all and
+    never puts them in its threshold. Their kept tokens must still be added to the loss
+    denominator (the trainer does, see ``trainer/update.py``). In the ``micro_batch`` scope a
+    threshold depends on which sequences share a micro-batch, which the token budget decides
+    with or without them."""
+    return (
+        cfg.entropy_coef == 0
+        and cfg.kl_coef == 0
+        and not cfg.rollout_correction.startswith("mis")
+        and get_token_rule(cfg.token_rule).ignores_zero_advantage(cfg)
+    )
+
+
 def minibatch_threshold(
     cfg, minibatch_stats: Sequence[TokenStats], dp_group: Optional[dist.ProcessGroup] = None
 ) -> Optional[torch.Tensor]:

@@ -182,6 +182,11 @@ class TokenRule:
     def candidates(self, stats: TokenStats, cfg) -> Optional[torch.Tensor]:
         return None
 
+    def ignores_zero_advantage(self, cfg) -> bool:
+        """Whether the rule keeps every response token of a zero-advantage sequence and its
+        threshold never reads them: then such sequences can be left out of every pass."""
+        return True
+
 
 class S2TRule(TokenRule):
     """STAPO's S2T: silence positive-advantage, rare (p < tau_p), low-entropy (H < tau_h) tokens."""
@@ -205,6 +210,10 @@ class S2TRule(TokenRule):
     def candidates(self, stats, cfg):
         return s2t_candidates(stats.logprob, stats.advantages, stats.response_mask, cfg.tau_p)
 
+    def ignores_zero_advantage(self, cfg) -> bool:
+        # candidates need A > 0; the all_response_tokens population reads every token's entropy
+        return cfg.tau_h is not None or cfg.population == "candidates"
+
 
 class HighEntropyRule(TokenRule):
     """20-Entropy: keep only the top ``top_fraction`` response tokens by entropy."""
@@ -223,6 +232,9 @@ class HighEntropyRule(TokenRule):
         if threshold is None:
             raise ValueError("threshold: the high_entropy rule needs its entropy cut (from threshold())")
         return (_real(stats.response_mask) & (stats.entropy >= threshold)).to(torch.float32)
+
+    def ignores_zero_advantage(self, cfg) -> bool:
+        return False  # every response token is in the quantile and may be dropped by it
 
 
 TOKEN_RULES: dict[str, TokenRule] = {}

@@ -12,6 +12,7 @@ MIB = 1 << 20
 MAX_WAIT_S = 7 * 24 * 3600.0  # longest timeout: a week
 
 WeightSyncMode = Literal["auto", "tensor", "distributed", "disk"]
+Placement = Literal["colocated", "disaggregated"]
 
 
 @dataclasses.dataclass
@@ -19,6 +20,13 @@ class SGLangConfig:
     """How :class:`~stapo_megatron.rollout.sglang_engine.SGLangEngine` gets its servers and uses them."""
 
     # --- where the servers come from ---
+    placement: Placement = option(
+        "disaggregated",
+        "colocated: every node's local rank 0 launches one server per tp_size GPUs of its node, on the trainer's "
+        "GPUs (every GPU generates; launched with --enable-memory-saver, weights synced through CUDA IPC by "
+        "default). disaggregated: attach to urls, or launch num_servers on the first node from base_gpu_id "
+        "(GPUs the trainer does not use).",
+    )
     urls: list[str] = option(
         [],
         "Attach to these running SGLang servers (http://host:port) instead of launching any; "
@@ -29,11 +37,12 @@ class SGLangConfig:
     )
     tokenizer_path: Optional[str] = option(None, "Tokenizer path passed to launched servers; None uses model_path.")
     num_servers: int = option(
-        1, "How many servers (engine groups) to launch; server i uses GPUs base_gpu_id + i*tp_size ..", ge=1, le=1024
+        1, "Disaggregated launch: how many servers the first node launches; server i uses GPUs base_gpu_id + "
+        "i*tp_size .. (colocated placement derives the count from the GPUs per node).", ge=1, le=1024
     )
     tp_size: int = option(1, "Tensor-parallel size of each launched server.", ge=1, le=1024)
     base_gpu_id: int = option(
-        0, "First GPU index (within CUDA_VISIBLE_DEVICES) the launched servers use.", ge=0, le=1023
+        0, "Disaggregated launch: first GPU index (within CUDA_VISIBLE_DEVICES) the servers use.", ge=0, le=1023
     )
     host: str = option("127.0.0.1", "Address launched servers listen on.")
     base_port: int = option(0, "Port of server 0 (server i uses base_port + i); 0 picks free ports.", ge=0, le=65535)
@@ -49,11 +58,6 @@ class SGLangConfig:
     )
     load_format: str = option(
         "", "--load-format of launched servers ('dummy' skips reading weights the trainer will send); '' = SGLang's default."
-    )
-    colocated: bool = option(
-        False,
-        "Servers share GPUs with the trainer: launch with --enable-memory-saver (release/resume memory works) and "
-        "sync weights through CUDA IPC by default.",
     )
     enable_weights_cpu_backup: bool = option(
         False, "Launch with --enable-weights-cpu-backup so weights survive release_memory without a reload."
@@ -75,7 +79,10 @@ class SGLangConfig:
         {}, "Extra environment variables for launched server processes (name -> value); secret: values are redacted "
         "in written configs, logs and metrics.", secret=True,
     )
-    log_dir: str = option("", "Directory for one log file per launched server; '' makes a temporary directory.")
+    log_dir: str = option(
+        "", "Directory for the launched servers' logs (node<k>/server-<i>.log, mode 0600); '' = <run directory>/sglang "
+        "in a run, a temporary directory for a standalone engine."
+    )
 
     # --- security ---
     api_key: Optional[str] = option(
@@ -112,6 +119,16 @@ class SGLangConfig:
     )
     shutdown_grace_s: float = option(
         30.0, "Seconds between SIGTERM and SIGKILL when stopping a launched server.", ge=0, le=3600
+    )
+    max_restarts: int = option(
+        1,
+        "Times a launched server whose process exits is restarted by its node; after that (or for an attached "
+        "server that fails again after coming back) it is dead and the run goes on without it.",
+        ge=0,
+        le=1000,
+    )
+    supervise_interval_s: float = option(
+        1.0, "How often each node checks whether its launched servers' processes still run.", gt=0, le=3600
     )
 
     # --- batching ---
@@ -159,7 +176,19 @@ class SGLangConfig:
         if bad_env:
             raise ConfigError(f"env: names and values must be strings (bad entry: {bad_env[0]!r})")
         if self.weight_sync == "tensor" and self.urls and not self.colocated:
-            raise ConfigError("weight_sync: tensor (CUDA IPC) needs colocated servers on the trainer's node; set colocated")
+            raise ConfigError("weight_sync: tensor (CUDA IPC) needs colocated servers on the trainer's node; "
+                              "set placement: colocated")
+        if self.placement == "colocated" and self.num_servers != 1:
+            raise ConfigError("num_servers: colocated placement launches one server per tp_size GPUs on every node; "
+                              "num_servers applies to disaggregated placement only")
+        if self.placement == "colocated" and self.base_gpu_id:
+            raise ConfigError("base_gpu_id: colocated placement runs server i of each node on GPUs i*tp_size ..; "
+                              "base_gpu_id applies to disaggregated placement only")
+
+    @property
+    def colocated(self) -> bool:
+        """The servers share GPUs with the trainer (memory saver on, CUDA IPC weight sync by default)."""
+        return self.placement == "colocated"
 
     @property
     def launches(self) -> bool:

@@ -19,7 +19,8 @@ class ServerEndpoint:
     url: str  # http://host:port
     node: int  # node index of the job (global rank // ranks per node); -1: outside the job (given URL)
     tp_size: int  # the server's tensor-parallel size (GPUs it spans)
-    gpu_ids: tuple[int, ...] = ()  # the node-local GPUs it runs on; () when not launched by the run
+    gpu_ids: tuple[int, ...] = ()  # the node-local trainer GPUs it runs on (colocated placement); () otherwise
+    log_path: str = ""  # its log file on its node (named in errors); "" when not launched by the run
 
     @property
     def colocated(self) -> bool:

@@ -1,12 +1,19 @@
-"""The production rollout engine: SGLang servers driven over their HTTP API.
+"""The production rollout engine: SGLang servers driven over their HTTP API (a thin facade).
 
-The engine launches ``python -m sglang.launch_server`` processes (or attaches to running servers),
-waits until they generate, sends batched ``/generate`` requests concurrently, and pushes new weights
-in bounded buckets through one of SGLang's three update paths:
+Where the servers come from is :mod:`~stapo_megatron.rollout.node_servers` (each node launches and
+restarts its own); what the controller knows about them, and its HTTP to them, is
+:mod:`~stapo_megatron.rollout.server_pool`; which server takes a request is
+:mod:`~stapo_megatron.rollout.balancer`. This module turns rollouts into batched ``/generate``
+requests spread over every usable server, and pushes new weights in bounded buckets through one of
+SGLang's three update paths:
 
 * ``tensor``: CUDA IPC handles via ``/update_weights_from_tensor`` (servers on the trainer's GPUs),
 * ``distributed``: a torch.distributed group the servers join, fed by broadcasts from the trainer,
 * ``disk``: a safetensors checkpoint read through ``/update_weights_from_disk``.
+
+No ``/generate`` is served on a mix of weight versions: updates pause every server, a server that
+restarted holds its launch weights and is kept out until the next update reaches it, and every
+answer's ``meta_info.weight_version`` must be the version last sent.
 
 Request and response shapes follow SGLang's server source (0.5.15 .. 0.5.23); the version each
 server reports through ``/server_info`` decides the weight-update session (0.5.21+).
@@ -15,9 +22,7 @@ server reports through ``/server_info`` decides the weight-update session (0.5.2
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import logging
-import os
 import secrets
 import shutil
 import tempfile
@@ -25,15 +30,17 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
 from stapo_megatron.config.core import ConfigError
 from stapo_megatron.rollout.config import SGLangConfig
+from stapo_megatron.rollout.endpoints import ServerEndpoint
 from stapo_megatron.rollout.engine import Completion, RolloutEngine, SamplingParams
+from stapo_megatron.rollout.node_servers import NodeServers, resolve_api_key
+from stapo_megatron.rollout.server_pool import NEUTRAL_SAMPLING, PooledServer, ServerPool
 from stapo_megatron.rollout.sglang_client import (
-    HttpResponse,
     SGLangError,
     SGLangRequestError,
     SGLangResponseError,
@@ -41,18 +48,10 @@ from stapo_megatron.rollout.sglang_client import (
     SGLangWeightSyncError,
     TransportError,
     error_message,
-    parse_version,
     request,
     split_url,
 )
-from stapo_megatron.rollout.sglang_server import (
-    ServerProcess,
-    build_launch_command,
-    free_port,
-    terminate_all,
-    url_for,
-    wait_healthy,
-)
+from stapo_megatron.rollout.sglang_server import connect_host
 from stapo_megatron.rollout.sglang_weights import (
     NamedTensors,
     TensorSerializer,
@@ -66,6 +65,7 @@ from stapo_megatron.rollout.sglang_weights import (
 )
 
 __all__ = [
+    "NEUTRAL_SAMPLING",
     "SGLangEngine",
     "SGLangError",
     "SGLangRequestError",
@@ -82,58 +82,28 @@ logger = logging.getLogger(__name__)
 SESSION_VERSION = (0, 5, 21)
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 _SEED_MODULUS = 2**31 - 1
-# Every other sampling parameter that shapes the distribution, pinned to "off" in each request:
-# SGLang fills what a request leaves out from --preferred-sampling-params (merged under the
-# request's own keys), so a server default such as min_p or a repetition penalty would make the
-# engine sample from something other than the trainer's softmax at the sampling temperature.
-NEUTRAL_SAMPLING = {
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "min_new_tokens": 0,
-    "ignore_eos": False,
-}
-# What each request sets besides NEUTRAL_SAMPLING (sampling_seed only when seeded).
-_REQUEST_SAMPLING_KEYS = {"n", "temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed"}
-# Server-preferred keys that cannot change which token is sampled or its log-prob.
-_OUTPUT_ONLY_SAMPLING_KEYS = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
 
 
 class _AbortedSample(Exception):
     """A sample came back with finish_reason abort (server paused, preempted or restarting)."""
 
 
-class _Server:
-    """What the engine knows about one server."""
-
-    def __init__(self, index: int, url: str, tp_size: int, process: ServerProcess | None):
-        self.index = index
-        self.url = url
-        self.tp_size = tp_size
-        self.dp_size = 1
-        self.process = process
-        self.version: tuple[int, int, int] = (0, 0, 0)
-        self.lock = threading.Lock()  # one recovery at a time
-        self.epoch = 0  # bumped by each recovery, so concurrent failures trigger a single restart
-        self.failures = 0  # consecutive transport failures
-        self.recoveries = 0
-        self.dead = False  # failed after its one recovery
-        self.stale = False  # restarted after a weight update: holds its launch weights
-
-    def describe(self) -> str:
-        if self.process is not None:
-            return f"{self.url} (log: {self.process.log_path})"
-        return f"{self.url} (attached)"
+class _StaleAnswer(Exception):
+    """A server answered with weights other than the version last sent (it restarted unnoticed)."""
 
 
-def _stop_processes(processes: list[ServerProcess], grace_s: float) -> None:
-    # Runs from weakref.finalize at interpreter exit too: launched servers hold GPUs and must not outlive us.
-    terminate_all(processes, grace_s)
+def _stop_node_servers(owned: NodeServers) -> None:
+    # An engine dropped without shutdown() still stops its servers (NodeServers also stops them at exit).
+    owned.shutdown()
 
 
 class SGLangEngine(RolloutEngine):
     """Rollouts from SGLang servers; see the module docstring.
+
+    In a run, every rank got ``endpoints`` and ``api_key`` from
+    :func:`~stapo_megatron.rollout.node_servers.start_job_servers` (the node leaders own the
+    processes); standalone (evaluation, tests) the engine launches ``num_servers`` on this machine,
+    and owns them, or attaches to ``urls``.
 
     ``expected_weight_names`` is the complete set of Hugging Face tensor names :meth:`load_weights`
     must receive (e.g. :func:`expected_names_from_hf_checkpoint`); it is required for weight updates.
@@ -147,47 +117,67 @@ class SGLangEngine(RolloutEngine):
         *,
         expected_weight_names: Iterable[str] | None = None,
         tensor_serializer: TensorSerializer | None = None,
+        endpoints: Sequence[ServerEndpoint] | None = None,
+        api_key: str | None = None,
     ):
-        if not config.urls and not config.model_path:
+        if not config.urls and not config.model_path and endpoints is None:
             raise ConfigError("model_path: required to launch servers (or give urls to attach to running ones)")
         self.config = config
         self._expected = frozenset(expected_weight_names) if expected_weight_names is not None else None
         self._serializer = tensor_serializer
         self._ipc_needs_gpu = tensor_serializer is None  # SGLang's serializer ships CUDA IPC handles
         self._sync_mode = config.resolved_weight_sync
-        self._api_key = config.api_key or os.environ.get(config.api_key_env) or None
-        if self._api_key is None and config.launches:
-            # A fresh secret per run: the weight-update routes must never be open on the network.
-            self._api_key = secrets.token_urlsafe(32)
         self._lock = threading.RLock()
+        self._revive_lock = threading.Lock()  # one wait for down servers at a time
         self._closed = False
-        self._servers: list[_Server] = []
-        self._processes: list[ServerProcess] = []
+        self._owned: NodeServers | None = None
+        self._pool: ServerPool | None = None
         self._group: WeightUpdateGroup | None = None
         self._group_valid = False
+        self._group_members: tuple[int, ...] = ()  # server indices the group was built for
         self._blocked: str | None = None  # why generate() must not run now
         self._released: set[str] = set()
         self._weights_loaded = False
+        self._weight_version: str | None = None  # what every usable server holds, when versions were sent
         self._disk_root: Path | None = None
         self._own_disk_root = False
         self._last_checkpoint: Path | None = None
-        self._log_dir: Path | None = None
-        n = config.num_servers if config.launches else len(config.urls)
-        self._gen_pool = cf.ThreadPoolExecutor(
-            max_workers=n * config.max_concurrent_requests_per_server, thread_name_prefix="sglang-generate"
-        )
-        self._ctl_pool = cf.ThreadPoolExecutor(max_workers=2 * n + 4, thread_name_prefix="sglang-control")
-        self._finalizer = weakref.finalize(self, _stop_processes, self._processes, config.shutdown_grace_s)
+        self._gen_pool: cf.ThreadPoolExecutor | None = None
+        self._finalizer: weakref.finalize | None = None
         try:
-            if config.launches:
-                self._launch_servers()
-            else:
-                self._attach_servers()
+            if endpoints is None:
+                api_key = resolve_api_key(config)
+                endpoints = self._launch_own(api_key) if config.launches else [
+                    ServerEndpoint(index=i, url=url.rstrip("/"), node=-1, tp_size=config.tp_size)
+                    for i, url in enumerate(config.urls)
+                ]
+            self._api_key = api_key
+            self._pool = ServerPool(config, endpoints, api_key)
+            self._pool.on_recovery = self._on_recovery
+            self._gen_pool = cf.ThreadPoolExecutor(
+                max_workers=len(endpoints) * config.max_concurrent_requests_per_server,
+                thread_name_prefix="sglang-generate",
+            )
+            self._pool.wait_all_ready()
         except BaseException:
             self.shutdown()
             raise
 
+    def _launch_own(self, api_key: str) -> list[ServerEndpoint]:
+        cfg = self.config
+        log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="stapo-sglang-logs-"))
+        self._owned = NodeServers(cfg, node=0, count=cfg.num_servers, first_index=0, api_key=api_key,
+                                  log_dir=log_dir, advertise_host=connect_host(cfg.host))
+        self._finalizer = weakref.finalize(self, _stop_node_servers, self._owned)
+        endpoints = self._owned.start()
+        return [ServerEndpoint(index=i, url=e.url, node=e.node, tp_size=e.tp_size, gpu_ids=e.gpu_ids,
+                               log_path=e.log_path) for i, e in enumerate(endpoints)]
+
     # ------------------------------------------------------------------ public API
+
+    @property
+    def _servers(self) -> list[PooledServer]:
+        return self._pool.servers
 
     @property
     def urls(self) -> list[str]:
@@ -195,20 +185,30 @@ class SGLangEngine(RolloutEngine):
 
     @property
     def log_files(self) -> list[Path]:
-        return [s.process.log_path for s in self._servers if s.process is not None]
+        return [Path(s.endpoint.log_path) for s in self._servers if s.endpoint.log_path]
+
+    @property
+    def routed_tokens(self) -> list[int]:
+        """Per server: prompt + max_new_tokens of every request sent to it so far."""
+        return list(self._pool.balancer.routed)
 
     def server_status(self) -> list[dict[str, Any]]:
-        """One dict per server: url, version, tp_size, recoveries, stale, dead, log file, pid."""
+        """One dict per server: url, node, version, tp_size, recoveries, down, stale, dead, log file, and the
+        pid and restarts of servers this engine launched itself."""
+        owned = {row["url"]: row for row in self._owned.status()} if self._owned else {}
         return [
             {
                 "url": s.url,
+                "node": s.endpoint.node,
                 "version": ".".join(map(str, s.version)),
                 "tp_size": s.tp_size,
                 "recoveries": s.recoveries,
+                "down": s.down,
                 "stale": s.stale,
                 "dead": s.dead,
-                "log_file": str(s.process.log_path) if s.process else None,
-                "pid": s.process.pid if s.process else None,
+                "log_file": s.endpoint.log_path or None,
+                "pid": owned.get(s.url, {}).get("pid"),
+                "restarts": owned.get(s.url, {}).get("restarts"),
             }
             for s in self._servers
         ]
@@ -219,10 +219,14 @@ class SGLangEngine(RolloutEngine):
             prompts = [self._prompt_ids(p, i) for i, p in enumerate(prompts)]
             if not prompts:
                 return []
+            self._pool.revive(wait=False, weights_sent=self._weights_loaded)
+            self._wait_for_a_server()
             chunks = self._generate_requests(prompts, params)
             futures = [
-                self._gen_pool.submit(self._run_generate, i, body, count, params.n)
-                for i, (_, count, body) in enumerate(chunks)
+                self._gen_pool.submit(self._run_generate, body, count, params.n,
+                                      sum(len(p) + params.n * params.max_new_tokens
+                                          for p in prompts[start : start + count]))
+                for start, count, body in chunks
             ]
             results: list[list[Completion] | None] = [None] * len(prompts)
             try:
@@ -258,17 +262,22 @@ class SGLangEngine(RolloutEngine):
             if isinstance(named_tensors, list):
                 # A materialized stream can be checked whole before anything reaches a server.
                 check.check_all([item[0] if isinstance(item, tuple) else item for item in named_tensors])
-            for server in self._servers:
-                self._ensure_alive(server)
-            self._update_weights(named_tensors, check, None if version is None else str(version))
+            # Every server that can come back must get these weights: a down one is waited for.
+            self._pool.run_all([s for s in self._servers if not (s.down or s.dead)], self._probe)
+            self._pool.revive(wait=True, weights_sent=self._weights_loaded)
+            servers = [s for s in self._servers if not s.dead]
+            if not servers:
+                self._pool.check_some_usable()
+            self._update_weights(servers, named_tensors, check, None if version is None else str(version))
 
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Free server GPU memory (``tags`` from kv_cache, weights, cuda_graph; None = all)."""
         with self._lock:
             self._check_open()
             tags = self._memory_tags(tags)
-            self._run_all(self._servers, self._flush)
-            self._run_all(self._servers, lambda s: self._control(s, "/release_memory_occupation", {"tags": tags}))
+            live = self._live()
+            self._pool.run_all(live, self._pool.flush)
+            self._pool.run_all(live, lambda s: self._pool.control(s, "/release_memory_occupation", {"tags": tags}))
             released = set(tags or MEMORY_TAGS)
             self._released |= released
             if "weights" in released and not self.config.enable_weights_cpu_backup:
@@ -282,248 +291,68 @@ class SGLangEngine(RolloutEngine):
         with self._lock:
             self._check_open()
             tags = self._memory_tags(tags)
-            self._run_all(self._servers, lambda s: self._control(s, "/resume_memory_occupation", {"tags": tags}))
+            self._pool.run_all(self._live(),
+                               lambda s: self._pool.control(s, "/resume_memory_occupation", {"tags": tags}))
             self._released -= set(tags or MEMORY_TAGS)
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        try:
-            self._teardown_group(notify=not self.config.launches)
-        except Exception as err:  # noqa: BLE001 - shutdown must go on
-            logger.warning("sglang: tearing down the weight-update group failed: %s", err)
-        self._gen_pool.shutdown(wait=False, cancel_futures=True)
-        if self._processes:
-            logger.info("sglang: stopping %d launched server(s)", len(self._processes))
-            terminate_all(self._processes, self.config.shutdown_grace_s)
-        self._finalizer.detach()
-        self._ctl_pool.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            try:
+                self._teardown_group(notify=self._owned is None)
+            except Exception as err:  # noqa: BLE001 - shutdown must go on
+                logger.warning("sglang: tearing down the weight-update group failed: %s", err)
+        if self._gen_pool is not None:
+            self._gen_pool.shutdown(wait=False, cancel_futures=True)
+        if self._owned is not None:
+            self._owned.shutdown()
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if self._pool is not None:
+            self._pool.shutdown()
         if self._own_disk_root and self._disk_root is not None:
             shutil.rmtree(self._disk_root, ignore_errors=True)
 
-    # ------------------------------------------------------------------ servers
+    # ------------------------------------------------------------------ server state
 
-    def _launch_servers(self) -> None:
-        cfg = self.config
-        self._log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="stapo-sglang-logs-"))
-        self._log_dir.mkdir(parents=True, exist_ok=True)
-        taken: set[int] = set()
-        for i in range(cfg.num_servers):
-            port = cfg.base_port + i if cfg.base_port else self._pick_port(taken)
-            taken.add(port)
-            nccl_port = self._pick_port(taken)
-            taken.add(nccl_port)
-            argv, env = build_launch_command(cfg, index=i, port=port, nccl_port=nccl_port, api_key=self._api_key)
-            proc = ServerProcess(argv, env, self._log_dir / f"sglang-server-{i}.log")
-            try:
-                proc.start()
-            except OSError as err:
-                raise SGLangServerError(f"cannot start sglang server {i} with {argv[0]}: {err}") from None
-            self._processes.append(proc)
-            server = _Server(i, url_for(cfg.host, port), cfg.tp_size, proc)
-            self._servers.append(server)
-            logger.info("sglang: launched server %d (pid %d) at %s, log %s", i, proc.pid, server.url, proc.log_path)
-        self._run_all(self._servers, self._wait_ready)
+    def _live(self) -> list[PooledServer]:
+        return [s for s in self._servers if not (s.down or s.dead)]
 
-    def _pick_port(self, taken: set[int]) -> int:
-        while True:
-            port = free_port(self.config.host if self.config.host not in ("", "::") else "127.0.0.1")
-            if port not in taken:
-                return port
+    def _on_recovery(self, server: PooledServer) -> None:
+        self._group_valid = False  # a fresh process is not a member of the weight-update group
 
-    def _attach_servers(self) -> None:
-        for i, url in enumerate(self.config.urls):
-            self._servers.append(_Server(i, url.rstrip("/"), 1, None))
-        self._run_all(self._servers, self._wait_ready)
+    def _probe(self, server: PooledServer) -> None:
+        """Before a weight update: a server that died since the last call is taken down (and waited for)."""
+        try:
+            resp = self._pool.http(server, "GET", "/health", timeout=30.0)
+            if resp.status == 200:
+                return
+            reason = f"/health answered HTTP {resp.status}"
+        except SGLangServerError as err:
+            reason = str(err)
+        with server.lock:
+            if not (server.down or server.dead):
+                self._pool._take_down_locked(server, reason)
 
-    def _wait_ready(self, server: _Server) -> None:
-        wait_healthy(
-            server.url, api_key=self._api_key, timeout_s=self.config.startup_timeout_s, process=server.process
-        )
-        self._read_server_info(server)
-
-    def _read_server_info(self, server: _Server) -> None:
-        resp = self._http(server, "GET", "/server_info")
-        if resp.status == 404:  # servers older than the /server_info rename
-            resp = self._http(server, "GET", "/get_server_info")
-        info = self._ok_json(server, "/server_info", resp)
-        if not isinstance(info, dict) or "version" not in info:
-            raise SGLangResponseError(f"sglang server {server.url}/server_info carries no 'version'")
-        server.version = parse_version(info["version"])
-        self._check_preferred_sampling(server, info.get("preferred_sampling_params"))
-        server.tp_size = int(info.get("tp_size", server.tp_size))
-        server.dp_size = int(info.get("dp_size", 1))
-        if server.process is not None and server.tp_size != self.config.tp_size:
-            raise SGLangServerError(
-                f"sglang server {server.describe()} reports tp_size {server.tp_size}, launched with {self.config.tp_size}"
-            )
-        logger.info("sglang: %s runs SGLang %s (tp %d, dp %d)", server.url, info["version"], server.tp_size,
-                    server.dp_size)
-
-    @staticmethod
-    def _check_preferred_sampling(server: _Server, preferred: Any) -> None:
-        """Refuse a server whose --preferred-sampling-params sets a key the requests do not pin: it
-        would silently change the sampling distribution (SGLang merges it under each request).
-        /generate's meta_info does not echo the sampling parameters, so /server_info is where the
-        server reports them."""
-        if isinstance(preferred, str) and preferred.strip():
-            try:
-                preferred = json.loads(preferred)
-            except ValueError:
-                raise SGLangResponseError(
-                    f"sglang server {server.url}/server_info: preferred_sampling_params is not JSON: {preferred[:200]!r}"
-                ) from None
-        if not preferred:
+    def _wait_for_a_server(self) -> None:
+        """When every server is down, wait for them to come back (their nodes restart them)."""
+        if self._pool.usable():
             return
-        if not isinstance(preferred, dict):
-            raise SGLangResponseError(f"sglang server {server.url}/server_info: preferred_sampling_params is {preferred!r}")
-        unpinned = sorted(set(preferred) - set(NEUTRAL_SAMPLING) - _REQUEST_SAMPLING_KEYS - _OUTPUT_ONLY_SAMPLING_KEYS)
-        if unpinned:
-            raise SGLangServerError(
-                f"sglang server {server.describe()} sets preferred_sampling_params {unpinned}, which the rollout "
-                "requests do not override; they would change the sampling distribution (relaunch without them)"
-            )
+        with self._revive_lock:
+            if not self._pool.usable():
+                self._pool.revive(wait=True, weights_sent=self._weights_loaded)
+        self._pool.check_some_usable()
 
-    def _ensure_alive(self, server: _Server) -> None:
-        """Before a weight update: recover a server that died since the last call."""
-        if server.dead:
-            raise SGLangServerError(f"sglang server {server.describe()} is dead after its one restart")
-        with server.lock:
-            if server.process is not None:
-                rc = server.process.returncode()
-                if rc is not None:
-                    self._recover_locked(server, f"its process exited with status {rc}")
-                return
-            try:
-                resp = request(server.url, "GET", "/health", api_key=self._api_key, timeout=30.0)
-                if resp.status == 200:
-                    return
-                reason = f"/health answered HTTP {resp.status}"
-            except TransportError as err:
-                reason = str(err)
-            self._recover_locked(server, reason)
-
-    def _on_transport_failure(self, server: _Server, epoch: int, err: TransportError) -> None:
-        with server.lock:
-            if server.epoch != epoch or self._closed or server.dead:
-                return  # another request already handled this failure
-            rc = server.process.returncode() if server.process is not None else None
-            if rc is not None:
-                reason = f"its process exited with status {rc}"
-            elif err.status == 503:
-                return  # SGLang answers 503 for aborted or not-yet-servable requests: busy, not dead
-            else:
-                server.failures += 1
-                if server.failures < self.config.failure_threshold:
-                    return
-                reason = f"{server.failures} consecutive failures, last: {err}"
-            self._recover_locked(server, reason)
-
-    def _recover_locked(self, server: _Server, reason: str) -> None:
-        """Restart a launched server (or wait for an attached one) once; a second failure is fatal."""
-        if server.recoveries >= 1:
-            server.dead = True
-            raise SGLangServerError(f"sglang server {server.describe()} failed again after its one restart: {reason}")
-        server.recoveries += 1
-        self._group_valid = False  # its ranks left the weight-update group
-        logger.warning("sglang: server %s failed (%s); %s", server.describe(), reason,
-                       "restarting it" if server.process else "waiting for it to come back")
-        try:
-            if server.process is not None:
-                server.process.terminate(self.config.shutdown_grace_s)  # reap schedulers that outlived the parent
-                server.process.start()
-            wait_healthy(
-                server.url, api_key=self._api_key, timeout_s=self.config.startup_timeout_s, process=server.process
-            )
-            self._read_server_info(server)
-        except (SGLangError, OSError) as err:
-            server.dead = True
-            raise SGLangServerError(
-                f"sglang server {server.describe()} could not be recovered after {reason}: {err}"
-            ) from None
-        server.epoch += 1
-        server.failures = 0
-        if self._weights_loaded:
-            # It loaded model_path again, not the trainer's weights: keep it out of rollouts until the next update.
-            server.stale = True
-            logger.warning("sglang: %s holds its launch weights until the next load_weights", server.url)
-
-    # ------------------------------------------------------------------ HTTP helpers
-
-    def _http(self, server: _Server, method: str, path: str, body: Any = None, timeout: float | None = None):
-        try:
-            return request(server.url, method, path, body, api_key=self._api_key,
-                           timeout=timeout or self.config.control_timeout_s)
-        except TransportError as err:
-            raise SGLangServerError(f"sglang server {server.describe()}: {err}") from None
-
-    def _ok_json(self, server: _Server, path: str, resp: HttpResponse) -> Any:
-        if resp.status in (401, 403):
-            raise SGLangRequestError(
-                f"sglang server {server.url} rejected the API key on {path} (HTTP {resp.status})", status=resp.status
-            )
-        if resp.status != 200:
-            raise SGLangRequestError(
-                f"sglang server {server.url}{path} answered HTTP {resp.status}: {error_message(resp)}",
-                status=resp.status,
-            )
-        try:
-            data = resp.json()
-        except SGLangResponseError:
-            return None  # some control routes answer plain text
-        if isinstance(data, dict) and data.get("success") is False:
-            raise SGLangRequestError(f"sglang server {server.url}{path} refused: {data.get('message', data)}")
-        return data
-
-    def _control(self, server: _Server, path: str, body: Any = None, timeout: float | None = None) -> Any:
-        return self._ok_json(server, path, self._http(server, "POST", path, {} if body is None else body, timeout))
-
-    def _flush(self, server: _Server) -> None:
-        """/flush_cache, retried while it answers 400 (requests still running or waiting)."""
-        deadline = time.monotonic() + self.config.flush_timeout_s
-        delay = 0.02
-        while True:
-            resp = self._http(server, "POST", "/flush_cache")
-            if resp.status != 400:
-                self._ok_json(server, "/flush_cache", resp)
-                return
-            if time.monotonic() + delay > deadline:
-                raise SGLangServerError(
-                    f"sglang server {server.describe()} still had requests in flight after "
-                    f"{self.config.flush_timeout_s:g}s of /flush_cache retries"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
-
-    def _run_all(self, servers: Sequence[_Server], fn: Callable[..., Any], *args: Any) -> list[Any]:
-        """``fn(server, *args)`` on every server at once; waits for all, then raises the first error."""
-        futures = [self._ctl_pool.submit(fn, s, *args) for s in servers]
-        cf.wait(futures)
-        for future in futures:
-            future.result()
-        return [f.result() for f in futures]
-
-    def _await(self, futures: Sequence[cf.Future], works: Sequence[Any], timeout_s: float, what: str) -> None:
-        """Wait for HTTP futures and collective works together; fail fast when any reply is an error.
-
-        A server that refuses a bucket never posts its receives, so waiting on the broadcasts alone
-        would hang until the collective timeout.
-        """
-        deadline = time.monotonic() + timeout_s
-        delay = 0.0005
-        while True:
-            for future in futures:
-                if future.done() and future.exception() is not None:
-                    raise future.exception()
-            if all(f.done() for f in futures) and all(w.is_completed() for w in works):
-                break
-            if time.monotonic() > deadline:
-                raise SGLangWeightSyncError(f"{what} did not finish within {timeout_s:g}s")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.02)
-        for work in works:
-            work.wait()
+    def _acquire(self, cost: int, tried: set[int]) -> PooledServer:
+        """The least-loaded usable server, avoiding those this request already failed on when possible."""
+        usable = self._pool.usable()
+        if not usable:
+            self._wait_for_a_server()
+            usable = self._pool.usable()
+        candidates = [s.index for s in usable if s.index not in tried] or [s.index for s in usable]
+        return self._servers[self._pool.balancer.acquire(candidates, cost)]
 
     # ------------------------------------------------------------------ generation
 
@@ -533,20 +362,14 @@ class SGLangEngine(RolloutEngine):
 
     def _check_can_generate(self) -> None:
         self._check_open()
-        dead = [s.describe() for s in self._servers if s.dead]
-        if dead:
-            raise SGLangServerError(f"sglang server {dead[0]} is dead after its one restart")
         if self._released:
             raise SGLangError(
                 f"server memory is released ({', '.join(sorted(self._released))}); call resume_memory() first"
             )
         if self._blocked:
             raise SGLangWeightSyncError(self._blocked)
-        if all(s.stale for s in self._servers):
-            raise SGLangWeightSyncError(
-                "every server was restarted since the last load_weights and holds its launch weights; "
-                "call load_weights before generating"
-            )
+        if all(s.dead for s in self._servers) or all(s.stale or s.dead for s in self._servers):
+            self._pool.check_some_usable()
 
     @staticmethod
     def _prompt_ids(prompt: Sequence[int], index: int) -> list[int]:
@@ -594,38 +417,33 @@ class SGLangEngine(RolloutEngine):
             chunks.append((start, len(part), body))
         return chunks
 
-    def _pick_server(self, preferred: int) -> _Server:
-        usable = [s for s in self._servers if not s.dead and not s.stale]
-        if not usable:
-            dead = [s.describe() for s in self._servers if s.dead]
-            if dead:
-                raise SGLangServerError(f"sglang server {dead[0]} is dead after its one restart")
-            raise SGLangWeightSyncError(
-                "every server was restarted since the last load_weights and holds its launch weights; "
-                "call load_weights before generating"
-            )
-        return usable[preferred % len(usable)]
-
-    def _run_generate(self, chunk_index: int, body: dict, count: int, n: int) -> list[list[Completion]]:
+    def _run_generate(self, body: dict, count: int, n: int, cost: int) -> list[list[Completion]]:
+        """One chunk: sent to the least-loaded server; after a failure it goes to another server
+        (the failed one never answered it, so nothing is generated twice into the result)."""
         attempts = 0
+        tried: set[int] = set()
         while True:
             if self._closed:
                 raise SGLangError("the SGLang engine was shut down during generate()")
-            server = self._pick_server(chunk_index)
-            epoch = server.epoch
+            server = self._acquire(cost, tried)
             try:
                 resp = request(server.url, "POST", "/generate", body, api_key=self._api_key,
                                timeout=self.config.request_timeout_s)
             except TransportError as err:
                 last_error = str(err)
-                self._on_transport_failure(server, epoch, err)
+                tried.add(server.index)
+                self._pool.on_transport_failure(server, err)
             else:
                 server.failures = 0
                 if resp.status == 200:
                     try:
-                        return _parse_generate(resp.json(), count, n, server.url)
+                        return _parse_generate(resp.json(), count, n, server.url, self._weight_version)
                     except _AbortedSample as err:
                         last_error = str(err)
+                    except _StaleAnswer as err:
+                        last_error = str(err)
+                        tried.add(server.index)
+                        self._pool.mark_stale(server, str(err))
                 elif resp.status in (401, 403):
                     raise SGLangRequestError(
                         f"sglang server {server.url} rejected the API key on /generate (HTTP {resp.status})",
@@ -637,6 +455,9 @@ class SGLangEngine(RolloutEngine):
                         f"{error_message(resp)}",
                         status=resp.status,
                     )
+            finally:
+                self._pool.balancer.release(server.index, cost)
+            self._wait_for_a_server()  # raises when no server can take it any more (dead, or stale)
             attempts += 1
             if attempts > self.config.max_retries:
                 raise SGLangServerError(
@@ -647,9 +468,43 @@ class SGLangEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights
 
-    def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], check: WeightNameCheck,
-                        weight_version: str | None) -> None:
-        servers = list(self._servers)
+    def weight_sync_plan(self):
+        """What every trainer rank needs to push its own share of the weights to these servers
+        (:class:`~stapo_megatron.rollout.weight_sync.WeightSync`; the controller broadcasts it)."""
+        from stapo_megatron.rollout.weight_sync import WeightSyncPlan
+
+        with self._lock:
+            self._check_open()
+            if self._expected is None or not self._api_key:
+                raise SGLangWeightSyncError("a weight sync needs expected_weight_names and an API key on the engine")
+            if "weights" in self._released:
+                raise SGLangWeightSyncError("weights are released on the servers; call resume_memory(['weights']) first")
+            # As for load_weights: every server that can come back gets the weights; a down one is waited for.
+            self._pool.run_all([s for s in self._servers if not (s.down or s.dead)], self._probe)
+            self._pool.revive(wait=True, weights_sent=self._weights_loaded)
+            servers = [s for s in self._servers if not s.dead]
+            cfg = self.config
+            return WeightSyncPlan(
+                mode=self._sync_mode, endpoints=tuple(s.endpoint for s in servers), expected_names=self._expected,
+                api_key=self._api_key, session_servers=frozenset(s.index for s in servers if s.version >= SESSION_VERSION),
+                bucket_bytes=cfg.weight_bucket_bytes, control_timeout_s=cfg.control_timeout_s,
+                transfer_timeout_s=cfg.weight_sync_timeout_s, flush_timeout_s=cfg.flush_timeout_s,
+                group_backend=cfg.weight_sync_backend, master_address=cfg.weight_sync_master_address,
+                disk_dir=cfg.disk_sync_dir, config_from=cfg.model_path,
+            )
+
+    def weights_synced(self, version: int) -> None:
+        """The trainer ranks' :meth:`WeightSync.sync` put ``version`` on every server of the plan."""
+        with self._lock:
+            self._blocked = None
+            self._weights_loaded = True
+            self._weight_version = str(version)
+            for server in self._servers:
+                if not server.dead:
+                    server.stale = False
+
+    def _update_weights(self, servers: list[PooledServer], named_tensors: Iterable[tuple[str, torch.Tensor]],
+                        check: WeightNameCheck, weight_version: str | None) -> None:
         mode = self._sync_mode
         previous_block = self._blocked
         self._blocked = (
@@ -658,9 +513,9 @@ class SGLangEngine(RolloutEngine):
         )
         state = {"paused": False, "session": [], "sent": False}
         try:
-            self._run_all(servers, self._control_path, "/pause_generation", {"mode": "abort"})
+            self._pool.run_all(servers, self._pool.control, "/pause_generation", {"mode": "abort"})
             state["paused"] = True
-            self._run_all(servers, self._flush)
+            self._pool.run_all(servers, self._pool.flush)
             buckets = iter_buckets(named_tensors, self.config.weight_bucket_bytes, check)
             if mode == "disk":
                 self._update_from_disk(servers, buckets, check, weight_version, state)
@@ -669,7 +524,7 @@ class SGLangEngine(RolloutEngine):
                     self._ensure_group(servers)
                 session = [s for s in servers if s.version >= SESSION_VERSION]
                 state["session"] = session  # set first: a begin that fails on one server still gets ended on the rest
-                self._run_all(session, self._control_path, "/begin_weight_update", {})
+                self._pool.run_all(session, self._pool.control, "/begin_weight_update", {})
                 for bucket in buckets:
                     state["sent"] = True
                     if mode == "tensor":
@@ -678,10 +533,10 @@ class SGLangEngine(RolloutEngine):
                         self._send_bucket_distributed(servers, bucket, weight_version)
                 check.finish()
                 state["session"] = []
-                self._run_all(session, self._control_path, "/end_weight_update", {})
-            self._run_all(servers, self._flush)
+                self._pool.run_all(session, self._pool.control, "/end_weight_update", {})
+            self._pool.run_all(servers, self._pool.flush)
             state["paused"] = False
-            self._run_all(servers, self._control_path, "/continue_generation", {})
+            self._pool.run_all(servers, self._pool.control, "/continue_generation", {})
         except BaseException:
             self._abandon_update(servers, mode, state)
             if not state["sent"]:
@@ -689,13 +544,11 @@ class SGLangEngine(RolloutEngine):
             raise
         self._blocked = None
         self._weights_loaded = True
+        self._weight_version = weight_version
         for server in servers:
             server.stale = False
 
-    def _control_path(self, server: _Server, path: str, body: Any) -> Any:
-        return self._control(server, path, body)
-
-    def _abandon_update(self, servers: list[_Server], mode: str, state: dict) -> None:
+    def _abandon_update(self, servers: list[PooledServer], mode: str, state: dict) -> None:
         """Best effort after a failed update: close the session, resume generation, drop a broken group."""
         if mode == "distributed" and state["sent"]:
             self._group_valid = False
@@ -705,11 +558,11 @@ class SGLangEngine(RolloutEngine):
                 if server.dead:
                     continue
                 try:
-                    self._control(server, path, {}, timeout=30.0)
+                    self._pool.control(server, path, {}, timeout=30.0)
                 except SGLangError as err:
                     logger.warning("sglang: %s on %s after a failed update: %s", path, server.url, err)
 
-    def _send_bucket_tensor(self, servers: list[_Server], bucket: NamedTensors, weight_version: str | None) -> None:
+    def _send_bucket_tensor(self, servers: list[PooledServer], bucket: NamedTensors, weight_version: str | None) -> None:
         if self._serializer is None:
             self._serializer = sglang_tensor_serializer()
         if self._ipc_needs_gpu:
@@ -720,7 +573,7 @@ class SGLangEngine(RolloutEngine):
             torch.cuda.synchronize()
         payload = self._serializer(bucket)
 
-        def send(server: _Server) -> None:
+        def send(server: PooledServer) -> None:
             body: dict[str, Any] = {
                 # One entry per server TP rank (rank i reads entry i); all ranks read the same full tensors.
                 "serialized_named_tensors": [payload] * server.tp_size,
@@ -728,13 +581,13 @@ class SGLangEngine(RolloutEngine):
             }
             if weight_version is not None:
                 body["weight_version"] = weight_version
-            self._control(server, "/update_weights_from_tensor", body)
+            self._pool.control(server, "/update_weights_from_tensor", body)
 
         # `bucket` stays referenced until every server answered: the IPC handles point into its memory.
-        self._run_all(servers, send)
+        self._pool.run_all(servers, send)
         del bucket
 
-    def _send_bucket_distributed(self, servers: list[_Server], bucket: NamedTensors,
+    def _send_bucket_distributed(self, servers: list[PooledServer], bucket: NamedTensors,
                                  weight_version: str | None) -> None:
         group = self._group
         assert group is not None
@@ -749,14 +602,15 @@ class SGLangEngine(RolloutEngine):
         if weight_version is not None:
             body["weight_version"] = weight_version
         timeout = self.config.weight_sync_timeout_s
-        futures = [self._ctl_pool.submit(self._control, s, "/update_weights_from_distributed", body, timeout)
+        futures = [self._pool.submit(self._pool.control, s, "/update_weights_from_distributed", body, timeout)
                    for s in servers]
         # Servers post one receive per name, in order, on their side of the group; match that order.
         works = group.broadcast(tensors)
         self._await(futures, works, timeout, f"weight bucket of {len(tensors)} tensors ({tensors[0].dtype}, ...)")
 
-    def _ensure_group(self, servers: list[_Server]) -> None:
-        if self._group is not None and self._group_valid:
+    def _ensure_group(self, servers: list[PooledServer]) -> None:
+        members = tuple(s.index for s in servers)
+        if self._group is not None and self._group_valid and self._group_members == members:
             return
         self._teardown_group(notify=True)
         for server in servers:
@@ -787,16 +641,16 @@ class SGLangEngine(RolloutEngine):
                 "backend": cfg.weight_sync_backend,
             }
             offset += server.tp_size
-            futures.append(self._ctl_pool.submit(self._control, server, "/init_weights_update_group", body,
-                                                 cfg.weight_sync_timeout_s))
+            futures.append(self._pool.submit(self._pool.control, server, "/init_weights_update_group", body,
+                                             cfg.weight_sync_timeout_s))
         # The init calls block until every rank joined, so rank 0 joins while they are in flight.
-        futures.append(self._ctl_pool.submit(group.join))
+        futures.append(self._pool.submit(group.join))
         try:
             self._await(futures, [], cfg.weight_sync_timeout_s, f"joining weight-update group {group.name}")
         except BaseException:
             group.destroy()
             raise
-        self._group, self._group_valid = group, True
+        self._group, self._group_valid, self._group_members = group, True, members
         logger.info("sglang: weight-update group %s ready (%s, world size %d, store %s:%d)", group.name,
                     cfg.weight_sync_backend, world_size, address, group.port)
 
@@ -809,12 +663,12 @@ class SGLangEngine(RolloutEngine):
                 if server.dead:
                     continue
                 try:
-                    self._control(server, "/destroy_weights_update_group", {"group_name": group.name}, timeout=30.0)
+                    self._pool.control(server, "/destroy_weights_update_group", {"group_name": group.name}, timeout=30.0)
                 except SGLangError as err:
                     logger.warning("sglang: destroy_weights_update_group on %s: %s", server.url, err)
         group.destroy()
 
-    def _update_from_disk(self, servers: list[_Server], buckets: Iterable[NamedTensors], check: WeightNameCheck,
+    def _update_from_disk(self, servers: list[PooledServer], buckets: Iterable[NamedTensors], check: WeightNameCheck,
                           weight_version: str | None, state: dict) -> None:
         if self._disk_root is None:
             if self.config.disk_sync_dir:
@@ -835,10 +689,32 @@ class SGLangEngine(RolloutEngine):
         if weight_version is not None:
             body["weight_version"] = weight_version
         state["sent"] = True
-        self._run_all(servers, self._control_path, "/update_weights_from_disk", body)
+        self._pool.run_all(servers, self._pool.control, "/update_weights_from_disk", body)
         previous, self._last_checkpoint = self._last_checkpoint, path
         if previous is not None and previous != path:
             shutil.rmtree(previous, ignore_errors=True)
+
+    @staticmethod
+    def _await(futures: Sequence[cf.Future], works: Sequence[Any], timeout_s: float, what: str) -> None:
+        """Wait for HTTP futures and collective works together; fail fast when any reply is an error.
+
+        A server that refuses a bucket never posts its receives, so waiting on the broadcasts alone
+        would hang until the collective timeout.
+        """
+        deadline = time.monotonic() + timeout_s
+        delay = 0.0005
+        while True:
+            for future in futures:
+                if future.done() and future.exception() is not None:
+                    raise future.exception()
+            if all(f.done() for f in futures) and all(w.is_completed() for w in works):
+                break
+            if time.monotonic() > deadline:
+                raise SGLangWeightSyncError(f"{what} did not finish within {timeout_s:g}s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+        for work in works:
+            work.wait()
 
     # ------------------------------------------------------------------ memory
 
@@ -860,8 +736,11 @@ def _on_gpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(torch.device("cuda", torch.cuda.current_device()))
 
 
-def _parse_generate(data: Any, num_prompts: int, n: int, url: str) -> list[list[Completion]]:
-    """SGLang's /generate answer (one dict, or a flat list of num_prompts*n grouped by prompt) -> completions."""
+def _parse_generate(data: Any, num_prompts: int, n: int, url: str,
+                    weight_version: str | None = None) -> list[list[Completion]]:
+    """SGLang's /generate answer (one dict, or a flat list of num_prompts*n grouped by prompt) -> completions.
+
+    With ``weight_version``, every sample must report it in ``meta_info.weight_version``."""
     items = [data] if isinstance(data, dict) else data
     if not isinstance(items, list) or len(items) != num_prompts * n:
         got = len(items) if isinstance(items, list) else type(data).__name__
@@ -874,6 +753,9 @@ def _parse_generate(data: Any, num_prompts: int, n: int, url: str) -> list[list[
             meta = item.get("meta_info") if isinstance(item, dict) else None
             if not isinstance(meta, dict):
                 raise SGLangResponseError(f"{url}/generate item {p * n + s} has no meta_info")
+            served = meta.get("weight_version")
+            if weight_version is not None and served is not None and str(served) != weight_version:
+                raise _StaleAnswer(f"{url} answered with weight version {served!r}, expected {weight_version!r}")
             reason = meta.get("finish_reason")
             kind = reason.get("type") if isinstance(reason, dict) else reason
             if kind == "abort":

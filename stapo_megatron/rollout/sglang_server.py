@@ -11,7 +11,6 @@ import logging
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,9 +30,10 @@ def default_server_command() -> list[str]:
 
 
 def build_launch_command(
-    cfg: SGLangConfig, *, index: int, port: int, nccl_port: int, api_key: str
+    cfg: SGLangConfig, *, local_index: int, global_index: int, port: int, nccl_port: int, api_key: str
 ) -> tuple[list[str], dict[str, str]]:
-    """The argv and environment that start server ``index`` of ``cfg`` (nothing is executed).
+    """The argv and environment that start server ``local_index`` of its node (``global_index`` of
+    the run, which picks its seed) (nothing is executed).
 
     The key travels in the environment (``KEY_ENV``), readable only by this user, never in argv.
     """
@@ -43,9 +43,9 @@ def build_launch_command(
         "--host", cfg.host,
         "--port", str(port),
         "--tp-size", str(cfg.tp_size),
-        "--base-gpu-id", str(cfg.base_gpu_id + index * cfg.tp_size),
+        "--base-gpu-id", str(cfg.base_gpu_id + local_index * cfg.tp_size),
         "--mem-fraction-static", repr(cfg.mem_fraction_static),
-        "--random-seed", str(cfg.random_seed + index),
+        "--random-seed", str(cfg.random_seed + global_index),
         "--dtype", cfg.dtype,
         # Fixed per server so that servers starting at the same moment cannot pick the same NCCL port.
         "--nccl-port", str(nccl_port),
@@ -70,14 +70,6 @@ def build_launch_command(
     env.update(cfg.env)
     env[KEY_ENV] = api_key
     return argv, env
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (another process may still take it before the server does)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def connect_host(host: str) -> str:

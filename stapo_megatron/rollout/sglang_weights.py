@@ -25,7 +25,7 @@ def tensor_nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _preview(names: Iterable[str]) -> str:
+def preview_names(names: Iterable[str]) -> str:
     names = sorted(names)
     more = f" (+{len(names) - _SHOW} more)" if len(names) > _SHOW else ""
     return ", ".join(names[:_SHOW]) + more
@@ -58,7 +58,7 @@ class WeightNameCheck:
         missing = self.expected - self.seen
         if missing:
             raise SGLangWeightSyncError(
-                f"weight update lacks {len(missing)} of {len(self.expected)} expected tensors: {_preview(missing)}"
+                f"weight update lacks {len(missing)} of {len(self.expected)} expected tensors: {preview_names(missing)}"
             )
 
     def check_all(self, names: Sequence[str]) -> None:
@@ -233,19 +233,37 @@ class WeightUpdateGroup:
         self.store = None
 
 
+def write_bucket_file(path: Path, named_tensors: NamedTensors) -> None:
+    """One bucket as one safetensors file (copied to CPU)."""
+    from safetensors.torch import save_file
+
+    # clone(): safetensors refuses tensors that share storage (views of one flat bucket, tied embeddings).
+    save_file({name: t.detach().to("cpu").clone().contiguous() for name, t in named_tensors}, str(path),
+              metadata={"format": "pt"})
+
+
+def publish_checkpoint(staging: Path, weight_map: dict[str, str], total_bytes: int, *, config_from: str | None) -> Path:
+    """Write the index of the files in ``staging`` (a hidden ``.<tag>.partial`` directory) and rename it
+    to ``<tag>``, so a server never reads a half-written checkpoint. Small JSON files (config.json, ...)
+    are copied from ``config_from`` when it is a local directory, for loaders that want a whole HF
+    directory."""
+    with open(staging / "model.safetensors.index.json", "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f, indent=1, sort_keys=True)
+    if config_from and Path(config_from).is_dir():
+        for src in Path(config_from).glob("*.json"):
+            if src.name != "model.safetensors.index.json":
+                shutil.copy2(src, staging / src.name)
+    final = staging.parent / staging.name.removeprefix(".").removesuffix(".partial")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staging, final)
+    return final
+
+
 def write_safetensors_checkpoint(
     buckets: Iterable[NamedTensors], root: Path, tag: str, *, config_from: str | None
 ) -> Path:
-    """Write the stream as ``root/<tag>/model-NNNNN.safetensors`` + index, appearing atomically.
-
-    Files go to a hidden sibling first and the directory is renamed into place, so a server never
-    reads a half-written checkpoint. Small JSON files (config.json, ...) are copied from
-    ``config_from`` when it is a local directory, for loaders that want a complete HF directory.
-    """
-    from safetensors.torch import save_file
-
+    """Write the stream as ``root/<tag>/model-NNNNN.safetensors`` + index, appearing atomically."""
     root.mkdir(parents=True, exist_ok=True)
-    final = root / tag
     tmp = root / f".{tag}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -254,21 +272,10 @@ def write_safetensors_checkpoint(
         total = 0
         for i, bucket in enumerate(buckets):
             fname = f"model-{i + 1:05d}.safetensors"
-            # clone(): safetensors refuses tensors that share storage (tied embeddings, views).
-            tensors = {name: t.detach().to("cpu").clone().contiguous() for name, t in bucket}
-            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
-            for name, t in tensors.items():
-                weight_map[name] = fname
-                total += tensor_nbytes(t)
-        with open(tmp / "model.safetensors.index.json", "w", encoding="utf-8") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1, sort_keys=True)
-        if config_from and Path(config_from).is_dir():
-            for src in Path(config_from).glob("*.json"):
-                if src.name != "model.safetensors.index.json":
-                    shutil.copy2(src, tmp / src.name)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+            write_bucket_file(tmp / fname, bucket)
+            weight_map.update({name: fname for name, _ in bucket})
+            total += sum(tensor_nbytes(t) for _, t in bucket)
+        return publish_checkpoint(tmp, weight_map, total, config_from=config_from)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return final

@@ -71,10 +71,12 @@ def watch_launcher(pid: int, interval: float = 1.0) -> None:
     threading.Thread(target=watch, name="stapo-launcher-watch", daemon=True).start()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on at ``host`` right now (another process may still take it first)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def _rank_entry(rank, fn, world_size, port, env, errors, args):

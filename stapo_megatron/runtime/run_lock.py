@@ -76,7 +76,7 @@ def _pid_runs(pid: int, started: float) -> bool:
         return False
 
 
-def stale_reason(holder: LockHolder | None, heartbeat_age: float) -> str | None:
+def _stale_reason(holder: LockHolder | None, heartbeat_age: float) -> str | None:
     """Why a lock held by ``holder`` is stale, or None while its holder may still be running."""
     if heartbeat_age > STALE_AFTER_S:
         return f"no heartbeat for {heartbeat_age:.0f} s"
@@ -123,7 +123,7 @@ class RunLock:
                         age = time.time() - path.stat().st_mtime
                     except FileNotFoundError:  # its holder just released it
                         continue
-                    reason = stale_reason(holder, age)
+                    reason = _stale_reason(holder, age)
                     if reason is None:
                         who = holder.describe() if holder else "a run that is starting"
                         raise ConfigError(
@@ -139,7 +139,7 @@ class RunLock:
 
     def held(self) -> bool:
         """Whether the lock file still names this holder (not taken over after a long stall)."""
-        holder = _read_holder(self.path) if self.path.exists() else None
+        holder = _read_holder(self.path)
         return holder is not None and holder.token == self.holder.token
 
     def _beat(self) -> None:

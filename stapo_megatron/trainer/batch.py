@@ -1,13 +1,22 @@
-"""Rollouts as tensors: broadcast from the rollout rank, split into mini- and micro-batches.
+"""Rollouts as tensors: broadcast from the rollout rank, balanced over data-parallel ranks by
+tokens, packed into token-budget micro-batches.
 
 A sequence is prompt + response. The model reads ``tokens[:-1]`` and is scored on
-``tokens[1:]``; the response tokens are the labels at positions ``P-1 .. P+R-2``.
+``tokens[1:]``; the response tokens are the labels at positions ``P-1 .. P+R-2``. A sequence
+therefore costs ``P + R - 1`` model tokens (:func:`model_tokens`), which is what budgets count.
+
+A packed micro-batch is one row ``[1, T]``: its sequences concatenated, with ``cu_seqlens``
+(int32, ``[n + 1]``) marking where each starts, positions restarting at 0 in each, and
+``segment_ids`` giving every token its sequence's place in ``sequence_index``. Padding (only to
+make T a multiple of ``pad_to_multiple``, and the one-token filler of an empty micro-batch) is
+its own last segment with a zero response mask, so it never reaches a sum.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import heapq
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -126,51 +135,167 @@ def broadcast_rollouts(ctx: ParallelContext, batch: RolloutBatch | None, src: in
     return unpack_rollouts(sizes, integers.cpu(), floats.cpu())
 
 
-def partition_for_rank(num_sequences: int, lengths: Sequence[int], rank: int, world: int) -> list[int]:
-    """This data-parallel rank's sequences: longest first, dealt round-robin (balances tokens)."""
-    order = sorted(range(num_sequences), key=lambda i: (-lengths[i], i))
-    return order[rank::world]
+def model_tokens(batch: RolloutBatch, index: int) -> int:
+    """Tokens the model reads for sequence ``index``: prompt + response - 1 (at least 1)."""
+    return max(1, len(batch.prompt_ids[index]) + len(batch.response_ids[index]) - 1)
+
+
+def balance_over_ranks(sequences: Sequence[int], lengths: Mapping[int, int] | Sequence[int], world: int) -> list[list[int]]:
+    """``sequences`` split over ``world`` data-parallel ranks with near-equal token sums: longest
+    first, each to the rank with the fewest tokens so far (LPT; ties to the lower rank), so the
+    largest sum exceeds the mean by less than one sequence. Deterministic, so every rank computes
+    every rank's share without communication. Each rank's list keeps the dealing order."""
+    order = sorted(sequences, key=lambda i: (-lengths[i], i))
+    heap = [(0, rank) for rank in range(world)]
+    parts: list[list[int]] = [[] for _ in range(world)]
+    for i in order:
+        tokens, rank = heapq.heappop(heap)
+        parts[rank].append(i)
+        heapq.heappush(heap, (tokens + lengths[i], rank))
+    return parts
+
+
+def token_imbalance(parts: Sequence[Sequence[int]], lengths: Mapping[int, int] | Sequence[int]) -> float:
+    """(largest rank's tokens - mean) / mean over the ranks of ``parts`` (0 when there are no tokens)."""
+    sums = [sum(lengths[i] for i in part) for part in parts]
+    mean = sum(sums) / len(sums) if sums else 0.0
+    return (max(sums) - mean) / mean if mean > 0 else 0.0
+
+
+def pack_by_budget(sequences: Sequence[int], lengths: Mapping[int, int] | Sequence[int], budget: int) -> list[list[int]]:
+    """``sequences`` in as few bins of at most ``budget`` tokens as first-fit decreasing finds
+    (at most 11/9 of the optimum + 1). A sequence longer than the budget is an error, never cut."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(sequences, key=lambda i: (-lengths[i], i)):
+        n = lengths[i]
+        if n > budget:
+            raise ValueError(f"sequence {i}: {n} tokens do not fit the micro-batch budget of {budget} tokens")
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(budget - n)
+    return bins
+
+
+@dataclasses.dataclass
+class TokenSlots:
+    """Where each model token of a rank's sequences lives in one flat per-rank vector, so that
+    statistics computed under one micro-batch layout (the forward budget) are read under another
+    (the update budget) by indexing: ``values[mb["token_index"]]``. Padding maps to ``pad_slot``."""
+
+    offsets: dict[int, int]  # sequence -> slot of its first model token
+    size: int  # slots, the padding slot included
+
+    @property
+    def pad_slot(self) -> int:
+        return self.size - 1
+
+
+def token_slots(batch: RolloutBatch, sequences: Sequence[int]) -> TokenSlots:
+    offsets, total = {}, 0
+    for i in sequences:
+        offsets[i] = total
+        total += model_tokens(batch, i)
+    return TokenSlots(offsets, total + 1)
+
+
+def _sequence_tensors(batch: RolloutBatch, i: int):
+    """Model inputs, labels, response mask, advantages and rollout log-probs of sequence ``i`` (1-D)."""
+    tokens = torch.tensor(batch.prompt_ids[i] + batch.response_ids[i] or [0, 0], dtype=torch.long)
+    if tokens.numel() == 1:
+        tokens = torch.cat([tokens, tokens])
+    n = tokens.numel() - 1
+    mask = torch.zeros(n, dtype=torch.float32)
+    rollout = torch.zeros(n, dtype=torch.float32)
+    start = len(batch.prompt_ids[i]) - 1
+    if batch.response_ids[i]:
+        mask[start:] = 1.0
+        rollout[start:] = torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32)
+    advantages = mask * float(batch.advantages[i])
+    return tokens[:-1], tokens[1:], mask, advantages, rollout
 
 
 def make_microbatches(
     batch: RolloutBatch,
-    indices: Sequence[int],
-    micro_batch_size: int,
+    bins: Sequence[Sequence[int]],
     device: torch.device,
+    *,
+    packed: bool = True,
+    slots: Optional[TokenSlots] = None,
     pad_to_multiple: int = 1,
 ) -> list[dict]:
-    """Padded micro-batch tensors for ``indices`` (in that order). An empty ``indices`` gives one
-    all-padding micro-batch, so every rank runs the schedule and joins its collectives."""
-    chunks = [list(indices[i : i + micro_batch_size]) for i in range(0, len(indices), micro_batch_size)] or [[]]
-    microbatches = []
-    for chunk in chunks:
-        sequences = [batch.prompt_ids[i] + batch.response_ids[i] for i in chunk] or [[0, 0]]
-        width = max(len(s) for s in sequences) - 1
-        width = -(-width // pad_to_multiple) * pad_to_multiple
-        rows = len(sequences)
-        input_ids = torch.zeros(rows, width, dtype=torch.long)
-        labels = torch.zeros(rows, width, dtype=torch.long)
-        response_mask = torch.zeros(rows, width, dtype=torch.float32)
-        advantages = torch.zeros(rows, width, dtype=torch.float32)
-        rollout_logprobs = torch.zeros(rows, width, dtype=torch.float32)
-        for row, i in enumerate(chunk):
-            tokens = torch.tensor(sequences[row], dtype=torch.long)
-            n = len(tokens) - 1
-            input_ids[row, :n] = tokens[:-1]
-            labels[row, :n] = tokens[1:]
-            start, stop = len(batch.prompt_ids[i]) - 1, n
-            response_mask[row, start:stop] = 1.0
-            advantages[row, start:stop] = float(batch.advantages[i])
-            rollout_logprobs[row, start:stop] = torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32)
-        microbatches.append(
-            {
-                "input_ids": input_ids.to(device),
-                "position_ids": torch.arange(width, device=device).unsqueeze(0).expand(rows, width).contiguous(),
-                "labels": labels.to(device),
-                "response_mask": response_mask.to(device),
-                "advantages": advantages.to(device),
-                "rollout_logprobs": rollout_logprobs.to(device),
-                "sequence_index": torch.tensor(chunk, dtype=torch.long),
-            }
-        )
-    return microbatches
+    """One micro-batch per bin of sequence indices (a bin may be empty: one padding token, so a
+    rank with fewer sequences still runs every micro-batch of the schedule and its collectives).
+
+    ``packed`` (default): one row per micro-batch (see the module docstring). Otherwise one
+    padded row per sequence (the layout before packing; kept as the reference the packed layout
+    is tested and benchmarked against). ``slots``: adds ``token_index`` for :class:`TokenSlots`.
+    Every tensor is ``[rows, T]`` on ``device`` except ``sequence_index`` (CPU, ``[n]``).
+    """
+    return [_packed(batch, list(b), device, slots, pad_to_multiple) if packed else _padded(batch, list(b), device, slots, pad_to_multiple)
+            for b in (bins or [[]])]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _packed(batch, chunk, device, slots, pad_to_multiple) -> dict:
+    parts = [_sequence_tensors(batch, i) for i in chunk]
+    lengths = [p[0].numel() for p in parts]
+    total = sum(lengths)
+    padding = _round_up(max(total, 1), pad_to_multiple) - total
+    segments = lengths + ([padding] if padding else [])
+
+    def row(k: int, dtype, pad_value=0) -> torch.Tensor:
+        pieces = [p[k] for p in parts] + [torch.full((padding,), pad_value, dtype=dtype)]
+        return torch.cat(pieces).to(dtype).unsqueeze(0)
+
+    positions = torch.cat([torch.arange(n) for n in segments]).unsqueeze(0)
+    segment_ids = torch.repeat_interleave(torch.arange(len(segments)), torch.tensor(segments)).unsqueeze(0)
+    cu_seqlens = torch.zeros(len(segments) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(torch.tensor(segments), 0)
+    mb = {
+        "input_ids": row(0, torch.long),
+        "position_ids": positions,
+        "labels": row(1, torch.long),
+        "response_mask": row(2, torch.float32),
+        "advantages": row(3, torch.float32),
+        "rollout_logprobs": row(4, torch.float32),
+        "segment_ids": segment_ids,
+        "cu_seqlens": cu_seqlens,
+    }
+    if slots is not None:
+        index = [torch.arange(slots.offsets[i], slots.offsets[i] + n) for i, n in zip(chunk, lengths)]
+        mb["token_index"] = torch.cat(index + [torch.full((padding,), slots.pad_slot)]).unsqueeze(0)
+    out = {k: v.to(device) for k, v in mb.items()}
+    out["max_seqlen"] = max(segments)
+    out["sequence_index"] = torch.tensor(chunk, dtype=torch.long)
+    return out
+
+
+def _padded(batch, chunk, device, slots, pad_to_multiple) -> dict:
+    parts = [_sequence_tensors(batch, i) for i in chunk] or [(torch.zeros(1, dtype=torch.long),) * 2 + (torch.zeros(1),) * 3]
+    width = _round_up(max(p[0].numel() for p in parts), pad_to_multiple)
+    rows = len(parts)
+    names = ("input_ids", "labels", "response_mask", "advantages", "rollout_logprobs")
+    mb = {name: torch.zeros(rows, width, dtype=parts[0][k].dtype) for k, name in enumerate(names)}
+    for r, p in enumerate(parts):
+        for k, name in enumerate(names):
+            mb[name][r, : p[k].numel()] = p[k]
+    mb["position_ids"] = torch.arange(width).unsqueeze(0).expand(rows, width).contiguous()
+    mb["segment_ids"] = torch.arange(rows).unsqueeze(1).expand(rows, width).contiguous()
+    if slots is not None:
+        index = torch.full((rows, width), slots.pad_slot, dtype=torch.long)
+        for r, i in enumerate(chunk):
+            n = parts[r][0].numel()
+            index[r, :n] = torch.arange(slots.offsets[i], slots.offsets[i] + n)
+        mb["token_index"] = index
+    out = {k: v.to(device) for k, v in mb.items()}
+    out["sequence_index"] = torch.tensor(chunk, dtype=torch.long)
+    return out

@@ -16,11 +16,12 @@ import shutil
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from stapo_megatron.checkpoint.convert import META_KEY, MODEL_KEY, checkpoint_meta, unwrap
 from stapo_megatron.checkpoint.dist import COMPLETE_MARKER, load_dist, save_dist, staging_dir
 from stapo_megatron.runtime import rng
-from stapo_megatron.runtime.run_files import atomic_open, reporting_no_space
+from stapo_megatron.runtime.run_files import NoSpaceError, atomic_open, is_no_space, reporting_no_space
 from stapo_megatron.runtime.distributed import ParallelContext
 
 LATEST_FILE = "latest.txt"
@@ -118,9 +119,15 @@ class Checkpointer:
                     with atomic_open(self.root / LATEST_FILE) as f:
                         f.write(self.name(step))
                     self._prune(step)
-            except BaseException:  # torch's CheckpointException is not an Exception
+            except BaseException as error:  # torch's CheckpointException is not an Exception
                 if dist.get_rank() == 0:
                     shutil.rmtree(staging_dir(target), ignore_errors=True)  # no partial checkpoint stays
+                if isinstance(error, CheckpointException):
+                    # Every rank raises it at the same point, but only rank 0's holds the causes.
+                    full = [is_no_space(error)]
+                    dist.broadcast_object_list(full, src=0, group=self.ctx.cpu_group)
+                    if full[0]:
+                        raise NoSpaceError(self.root) from None
                 raise
         dist.barrier()
         return directory

@@ -43,6 +43,11 @@ class RunConfig:
 
 @dataclasses.dataclass
 class BatchConfig:
+    REMOVED_FIELDS = {
+        "micro_batch_size": "removed: micro-batches are packed by tokens; set batch.max_tokens_per_microbatch "
+        "(forward/backward) and batch.max_tokens_per_forward (statistics passes) instead",
+    }
+
     prompts_per_step: int = option(256, "Prompts sampled per rollout step (the paper: 256).", ge=1, le=MAX_BATCH)
     group_size: int = option(8, "Responses sampled per prompt, G (the paper: 8).", ge=1, le=MAX_GROUP)
     prompts_per_minibatch: int = option(
@@ -51,7 +56,27 @@ class BatchConfig:
         ge=1,
         le=MAX_BATCH,
     )
-    micro_batch_size: int = option(4, "Sequences per micro-batch on each data-parallel rank.", ge=1, le=MAX_BATCH)
+    max_tokens_per_microbatch: int = option(
+        18432,
+        "Token budget of a forward/backward micro-batch on each data-parallel rank: whole sequences "
+        "(prompt + response) packed into one row up to this many tokens; at least the longest "
+        "sequence (data.max_prompt_tokens + max_new_tokens).",
+        ge=1,
+        le=MAX_BATCH * MAX_TOKENS,
+    )
+    max_tokens_per_forward: int = option(
+        36864,
+        "Token budget of a micro-batch of the forward-only statistics passes (no activations are "
+        "kept for backward, so it can be larger); at least the longest sequence.",
+        ge=1,
+        le=MAX_BATCH * MAX_TOKENS,
+    )
+    skip_zero_advantage: bool = option(
+        True,
+        "Leave sequences with advantage 0 out of the statistics passes and forward/backward when no term "
+        "of the loss reads them (no entropy bonus, KL or masked importance sampling; a token rule that "
+        "keeps them all); their tokens still count in the loss denominator, so the update is the same.",
+    )
     max_new_tokens: int = option(
         15360, "Longest response in tokens; longer ones are cut (finish reason 'length').", ge=1, le=MAX_TOKENS
     )
@@ -96,6 +121,13 @@ class ComputeConfig:
         "Tokens per chunk when computing log-probs and entropies from the vocabulary-parallel logits.",
         ge=1,
         le=MAX_TOKENS,
+    )
+    offload_while_generating: bool = option(
+        False,
+        "Move the trainer's parameters, gradient buffers and optimizer state to (pinned) host memory while the "
+        "colocated rollout servers generate, and back for the update, so the servers can take most of each GPU "
+        "(rollout.sglang.mem_fraction_static ~0.8); the servers release their memory while the trainer trains. "
+        "Needs the rollout on the trainer's GPUs (rollout.sglang.placement: colocated, or the local engine).",
     )
 
 
@@ -191,6 +223,18 @@ class TrainConfig:
     faults: FaultConfig = option(doc="What to tolerate before stopping.", factory=FaultConfig)
 
     def __post_init__(self):
+        if self.compute.offload_while_generating and self.rollout.engine == "sglang" and not self.rollout.sglang.colocated:
+            raise ConfigError("compute.offload_while_generating: needs the rollout servers on the trainer's GPUs "
+                              "(rollout.sglang.placement: colocated); servers on other GPUs never compete for its memory")
+        longest = self.data.max_prompt_tokens + self.batch.max_new_tokens
+        # under sequence parallelism a packed row is padded to a multiple of TP
+        multiple = self.parallel.tensor_parallel if self.parallel.sequence_parallel else 1
+        for name in ("max_tokens_per_microbatch", "max_tokens_per_forward"):
+            budget = getattr(self.batch, name)
+            if budget // multiple * multiple < longest:  # checked here, never cut at run time
+                raise ConfigError(f"batch.{name}: {budget} tokens is less than the longest sequence, "
+                                  f"data.max_prompt_tokens + batch.max_new_tokens = {longest}"
+                                  + (f", in whole multiples of tensor_parallel={multiple} (sequence parallelism)" if multiple > 1 else ""))
         collective_s = self.parallel.timeout_minutes * 60
         if self.run.hang_timeout_s >= collective_s:
             # a hung collective would end the run first, with no message naming the phase

@@ -41,10 +41,12 @@ class SpuriousTokenDump:
                     silenced &= selection.candidates.bool()
                 for row, position in silenced.nonzero().tolist():
                     labels = mb["labels"][row]
-                    sequence = int(mb["sequence_index"][row])
-                    start = int(response[row].nonzero()[0])
+                    segment = int(mb["segment_ids"][row, position])  # packed rows hold several sequences
+                    sequence = int(mb["sequence_index"][segment])
+                    own = response[row] & (mb["segment_ids"][row] == segment)
+                    start = int(own.nonzero()[0])
                     before = labels[max(start - 1, position - self.context) : position].tolist()
-                    after = labels[position + 1 : position + 1 + self.context][response[row, position + 1 : position + 1 + self.context]].tolist()
+                    after = labels[position + 1 : position + 1 + self.context][own[position + 1 : position + 1 + self.context]].tolist()
                     token = int(labels[position])
                     entries.append(
                         {

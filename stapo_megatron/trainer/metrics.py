@@ -17,21 +17,61 @@ METRICS_FILE = "metrics.jsonl"
 
 
 class PhaseTimer:
-    """Wall-clock seconds per named phase of a step."""
+    """Wall-clock seconds of one step, and of each named phase in it.
+
+    Phases may nest: an outer phase's seconds exclude those of the phases inside it, so the
+    phases add up to the time they cover and no second counts twice. ``time/step`` is the wall
+    time from ``started`` to :meth:`stop`; a loop that starts each step's timer where the
+    previous one stopped (:meth:`follow`) accounts for every second between its rows.
+    """
 
     def __init__(self):
+        self.started = time.perf_counter()
+        self.stopped: float | None = None
         self.seconds: dict[str, float] = defaultdict(float)
+        self._open: list[list] = []  # [phase, when its current stretch began], innermost last
+
+    def __call__(self, phase: str):
+        return self.measure(phase)
 
     @contextlib.contextmanager
-    def __call__(self, phase: str):
-        start = time.perf_counter()
+    def measure(self, phase: str):
+        now = time.perf_counter()
+        if self._open:
+            outer = self._open[-1]
+            self.seconds[outer[0]] += now - outer[1]
+        entry = [phase, now]
+        self._open.append(entry)
         try:
             yield
         finally:
-            self.seconds[phase] += time.perf_counter() - start
+            now = time.perf_counter()
+            self._open.pop()
+            self.seconds[phase] += now - entry[1]
+            if self._open:
+                self._open[-1][1] = now  # the outer phase resumes
+
+    def follow(self, previous: PhaseTimer) -> PhaseTimer:
+        """Start where ``previous`` stopped, so nothing between the two goes unaccounted."""
+        self.started = previous.stopped
+        return self
+
+    def absorb(self, earlier: PhaseTimer) -> PhaseTimer:
+        """Take over ``earlier``'s start and phases: its stretch becomes the start of this one."""
+        self.started = earlier.started
+        for phase, seconds in earlier.seconds.items():
+            self.seconds[phase] += seconds
+        return self
+
+    def stop(self) -> float:
+        self.stopped = time.perf_counter()
+        return self.stopped - self.started
 
     def metrics(self) -> dict[str, float]:
-        return {f"time/{phase}": seconds for phase, seconds in self.seconds.items()}
+        """Each phase's seconds and ``time/step``, the wall time of the whole step (after :meth:`stop`)."""
+        if self.stopped is None:
+            raise RuntimeError("PhaseTimer.metrics before stop(): the step has no end yet")
+        return {**{f"time/{phase}": seconds for phase, seconds in self.seconds.items()}, "time/step": self.stopped - self.started}
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

@@ -1,6 +1,7 @@
 """Forward and backward passes through Megatron's pipeline schedules.
 
-A micro-batch is a dict of tensors with at least ``input_ids`` and ``position_ids`` ([b, s]).
+A micro-batch is a dict of tensors with at least ``input_ids`` and ``position_ids`` ([b, s]); a
+packed one ([1, s], see trainer/batch.py) adds ``cu_seqlens`` and ``max_seqlen``.
 ``step_fn(logits, batch)`` runs on the last pipeline stage on this rank's vocabulary slice of the
 logits ([b, s, V/tp]): in training it returns Megatron's per-token loss triple
 ``(loss_sum, num_tokens, report)``; forward-only, whatever it returns is collected.
@@ -13,10 +14,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from stapo_megatron.models.qwen3.model import packed_seq_params
+
 
 def _forward_step(step_fn: Callable, collect: bool, data_iterator, model):
     batch = next(data_iterator)
-    logits = model(batch["input_ids"], batch["position_ids"], None)
+    packed = None
+    if "cu_seqlens" in batch:  # a packed row (trainer/batch.py)
+        packed = packed_seq_params(batch["cu_seqlens"], batch["max_seqlen"])
+    logits = model(batch["input_ids"], batch["position_ids"], None, packed_seq_params=packed)
 
     def loss_func(output, non_loss_data: bool = False):
         return step_fn(output, batch)

@@ -5,24 +5,26 @@ from __future__ import annotations
 import math
 import signal
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
-from stapo_megatron.checkpoint.convert import export_hf_tensors, fill_from_hf, hf_assets, load_model
+from stapo_megatron.checkpoint.convert import fill_from_hf, hf_assets, load_model
 from stapo_megatron.checkpoint.hf_io import HFCheckpoint
 from stapo_megatron.config import to_dict
 from stapo_megatron.data.prompts import default_stop_token_ids
-from stapo_megatron.loss import needs_statistics_pass
 from stapo_megatron.models.qwen3.parallelize import build_stage
 from stapo_megatron.runtime.distributed import init_distributed
 from stapo_megatron.trainer import megatron_fixes
-from stapo_megatron.trainer.batch import RolloutBatch, broadcast_rollouts, make_microbatches, partition_for_rank
+from stapo_megatron.trainer.batch import RolloutBatch, broadcast_rollouts
 from stapo_megatron.trainer.checkpointing import Checkpointer
 from stapo_megatron.trainer.config import TrainConfig
 from stapo_megatron.trainer.heartbeat import Heartbeat
 from stapo_megatron.trainer.inspector import SpuriousTokenDump
 from stapo_megatron.trainer.launcher import STOP_FILE
 from stapo_megatron.trainer.metrics import MetricsLogger, PhaseTimer
-from stapo_megatron.trainer.update import PolicyUpdater, candidate_mismatch, merge_reporter_metrics, rollout_statistics
+from stapo_megatron.trainer.offload import OPTIMIZER, PARAMS, TrainerOffload
+from stapo_megatron.trainer.update import PolicyUpdater, merge_reporter_metrics
 
 
 def build_tokenizer(cfg: TrainConfig):
@@ -66,8 +68,19 @@ def build_scheduler(optimizer, cfg: TrainConfig, report: bool = True):
                               f"{getattr(self, key)} now (takes effect)", flush=True)
             # The optimizer's groups, restored from the checkpoint just before, carry its peak and
             # final rates, which get_lr prefers to the scheduler's own.
+            # Adam's betas and eps come back with the optimizer's groups too; the config's win.
+            adam = {"betas": (cfg.optim.beta1, cfg.optim.beta2), "eps": cfg.optim.eps}
+            changed = {}
             for group in self.optimizer.param_groups:
                 group.update(max_lr=self.max_lr, min_lr=self.min_lr)
+                for key, value in adam.items():
+                    if key in group and tuple(np.atleast_1d(group[key])) != tuple(np.atleast_1d(value)):
+                        changed[key] = group[key]
+                        group[key] = value
+            if report:
+                for key, old in changed.items():
+                    print(f"[stapo] optim.{key} changed on resume: {old} in the checkpoint, {adam[key]} now "
+                          "(takes effect)", flush=True)
             super().load_state_dict(state_dict)
 
     o = cfg.optim
@@ -105,7 +118,12 @@ class Trainer:
         self.params_dtype = getattr(torch, cfg.compute.params_dtype)
         self.tokenizer = build_tokenizer(cfg)
         self.stop_requested = False
-        self.engine_released = False  # rank 0: the engine gave its memory to training
+        # Which of the engine and the trainer holds the GPU, tracked alike on every rank (the weight
+        # sync is collective); only rank 0 talks to the engine.
+        self.engine_released = False  # the engine gave its memory to training
+        self.engine_version: int | None = None  # the weights the engine holds; None: none valid yet, or released
+        self.weight_sync = None  # every rank's link to the SGLang servers, made at the first sync
+        self.release_engine = cfg.rollout.release_memory_between_steps or cfg.compute.offload_while_generating
         self.skipped_steps = 0
         self.optimizer_steps = 0
 
@@ -113,12 +131,15 @@ class Trainer:
             self.arch,
             params_dtype=self.params_dtype,
             recompute=cfg.compute.recompute,
+            sequence_parallel=cfg.parallel.sequence_parallel,
             calculate_per_token_loss=True,
             device=self.device,
         )
         self._load_initial_weights(model)
         self.model = self._wrap_ddp(model)
         self.optimizer, self.scheduler = self._build_optimizer()
+        self.offload = TrainerOffload(self.model, self.optimizer, self.device) if cfg.compute.offload_while_generating else None
+        self.moved_bytes = {"offload": 0, "reload": 0}  # this step's, for its row
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep_last, self.ctx)
         self.step = 0
         progress = self._resume()
@@ -126,6 +147,16 @@ class Trainer:
         self.updater = PolicyUpdater(self.model, self.optimizer, cfg, self.arch, self.ctx)
         self.inspector = SpuriousTokenDump(self.run_dir, self.tokenizer, cfg.logging.inspect_context_tokens, self.ctx)
         self.collector = self.logger = self.evaluator = None
+        if self.offload is not None:
+            # Colocated servers size their KV cache from the memory free when they start: the
+            # trainer's state waits in host memory on every rank before any server launches.
+            self.offload.offload(OPTIMIZER)
+            self.offload.offload(PARAMS)
+            dist.barrier(group=self.ctx.cpu_group)
+        from stapo_megatron.rollout.factory import start_rollout_servers
+
+        # Every rank: node leaders launch their node's SGLang servers; all ranks learn every endpoint.
+        self.rollout_servers = start_rollout_servers(self.ctx, cfg.rollout, cfg.checkpoint.load_hf, self.run_dir)
         if self.rank == 0:
             from stapo_megatron.trainer.launcher import write_resolved_config
 
@@ -208,7 +239,8 @@ class Trainer:
         sampler = PromptSampler(len(dataset), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         if "sampler" in progress:
             sampler.load_state_dict(progress["sampler"])
-        engine = build_engine(cfg.rollout, self.arch, self.device, hf_dir=cfg.checkpoint.load_hf, run_dir=self.run_dir)
+        engine = build_engine(cfg.rollout, self.arch, self.device, hf_dir=cfg.checkpoint.load_hf, run_dir=self.run_dir,
+                              servers=self.rollout_servers)
         reward_pool = RewardPool.from_config(cfg.reward)
         self.collector = RolloutCollector(engine, reward_pool, self.tokenizer, dataset, sampler, cfg, stop_token_ids(cfg, self.tokenizer))
         self.logger = MetricsLogger(self.run_dir, cfg.logging, cfg.run.name, to_dict(cfg, redact=True), self.step, cfg.run.steps)
@@ -222,7 +254,11 @@ class Trainer:
 
     def _install_signal_handlers(self) -> None:
         def request_stop(signum, frame):
-            self.stop_requested = True
+            if signum == signal.SIGINT and self.stop_requested:
+                raise KeyboardInterrupt  # a second Ctrl-C: stop now (`stapo` exits with 130)
+            self.stop_requested = True  # before the message: a second signal may come while it prints
+            if signum == signal.SIGINT:
+                self._message("[stapo] stopping after the current step (checkpoint follows); Ctrl-C again to stop now")
 
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, request_stop)
@@ -231,33 +267,32 @@ class Trainer:
 
     def train(self) -> None:
         """sample -> G rollouts -> rewards -> advantages -> old statistics -> per mini-batch: threshold
-        and masked update -> weight sync -> evaluation -> checkpoint."""
+        and masked update -> evaluation -> checkpoint. The engine receives the weights when it next
+        generates (:meth:`ready_to_generate`)."""
         heartbeat = Heartbeat(self.cfg.run.hang_timeout_s, self.rank, saved_step=self.step).start()
         try:
-            heartbeat.beat("sync", self.step)
-            self.sync_weights(version=self.step)
+            timer = heartbeat.timer(self.step + 1)
             while self.step < self.cfg.run.steps:
                 step = self.step + 1
-                timer = heartbeat.timer(step)
                 batch, metrics = self.collect_rollouts(step, timer)
                 if len(batch):
                     metrics.update(self.update_policy(batch, step, timer))
                 else:
                     self._message(f"[stapo] step {step}: every group was filtered out; no update")
-                self.scheduler.step(increment=1)  # once per training step, update or not (see build_scheduler)
-                with timer("sync"):
-                    self.sync_weights(version=step)
+                with timer("update"):
+                    self.scheduler.step(increment=1)  # once per training step, update or not (see build_scheduler)
                 if self.cfg.eval.every and step % self.cfg.eval.every == 0:
+                    self.ready_to_generate(version=step, timer=timer)
                     with timer("eval"):
                         metrics.update(self.evaluate(step))
                 self.step = step
-                heartbeat.beat("metrics and stop agreement", step)
-                self._log(step, metrics, timer, batch)
-                stop = self._agree_to_stop()
+                after_row = self._log(step, metrics, timer, batch, heartbeat)
+                with after_row("stop_agreement"):
+                    stop = self._agree_to_stop()
                 if stop or step == self.cfg.run.steps or (self.cfg.checkpoint.save_every and step % self.cfg.checkpoint.save_every == 0):
-                    heartbeat.beat("checkpoint", step)
-                    self.save()
-                    heartbeat.saved(step)
+                    self._checkpoint(step, after_row, heartbeat)
+                # what ran after the row (writing it, the stop agreement, the checkpoint) counts in the next one
+                timer = heartbeat.timer(step + 1).absorb(after_row)
                 if stop:
                     self._message(f"[stapo] stop requested: checkpoint of step {step} written, exiting")
                     break
@@ -266,39 +301,55 @@ class Trainer:
             self.close()
 
     def collect_rollouts(self, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict]:
+        self.ready_to_generate(version=self.step, timer=timer)
         batch, metrics = (None, {})
         if self.rank == 0:
-            batch, metrics = self.collector.collect(step, timer)
-            if self.cfg.rollout.release_memory_between_steps:
-                self.collector.engine.release_memory()
-                self.engine_released = True
+            with timer("rollout"):  # sampling bookkeeping; generation and rewards time themselves inside
+                batch, metrics = self.collector.collect(step, timer)
+        self.ready_to_train(timer)
         with timer("broadcast"):
             return broadcast_rollouts(self.ctx, batch), metrics
 
+    # ---- who holds the GPU: the engine while generating, the trainer while training ---------
+
+    def ready_to_generate(self, version: int, timer: PhaseTimer) -> None:
+        """The engine holds its memory and the weights of ``version``; with offload, the trainer's
+        state waits in host memory. Optimizer state and gradients leave first, the engine takes its
+        memory back, the weights are synced from the still-resident parameters, then those leave."""
+        if self.offload is not None:
+            with timer("offload"):
+                self.moved_bytes["offload"] += self.offload.offload(OPTIMIZER)
+        if self.engine_released:
+            with timer("resume"):
+                if self.rank == 0:
+                    self.collector.engine.resume_memory()
+            self.engine_released = False
+        if self.engine_version != version:
+            if self.offload is not None and self.offload.offloaded(PARAMS):  # offloaded before the servers launched
+                with timer("reload"):
+                    self.moved_bytes["reload"] += self.offload.reload(PARAMS)
+            with timer("sync"):
+                self.sync_weights(version=version)
+            self.engine_version = version
+        if self.offload is not None:
+            with timer("offload"):
+                self.moved_bytes["offload"] += self.offload.offload(PARAMS)
+
+    def ready_to_train(self, timer: PhaseTimer) -> None:
+        """The trainer holds its memory: the engine releases its own first (its weights are not kept:
+        SGLang's are garbage after a resume without a CPU backup), then the trainer reloads."""
+        if self.release_engine and not self.engine_released:
+            with timer("release"):
+                if self.rank == 0:
+                    self.collector.engine.release_memory()
+            self.engine_released, self.engine_version = True, None
+        if self.offload is not None and (self.offload.offloaded(OPTIMIZER) or self.offload.offloaded(PARAMS)):
+            with timer("reload"):
+                dist.barrier(group=self.ctx.cpu_group)  # no rank reloads into memory rank 0's engine still holds
+                self.moved_bytes["reload"] += self.offload.reload()
+
     def update_policy(self, batch: RolloutBatch, step: int, timer: PhaseTimer) -> dict:
-        minibatches = self._microbatches(batch)
-        flat = [mb for group in minibatches for mb in group]
-        with timer("statistics"):
-            old_all = self.updater.statistics(flat)
-        old, start = [], 0
-        for group in minibatches:
-            old.append(old_all[start : start + len(group)])
-            start += len(group)
-        metrics = rollout_statistics(self.ctx, old_all, flat)
-        metrics.update(candidate_mismatch(self.ctx, old_all, flat, self.cfg.algo.tau_p))
-        results, decided_on = [], []
-        for j, microbatches in enumerate(minibatches):
-            current = None
-            if needs_statistics_pass(self.cfg.algo):
-                if j == 0:
-                    current = old[0]
-                else:
-                    with timer("statistics"):
-                        current = self.updater.statistics(microbatches)
-            with timer("update"):
-                result = self.updater.train_minibatch(microbatches, old[j], current)
-            results.append(result)
-            decided_on.append(current or old[j])
+        def count_skipped(result) -> None:
             if result.skipped:
                 self.skipped_steps += 1
                 self._message(f"[stapo] step {step}: non-finite loss or gradient, optimizer step skipped ({self.skipped_steps} so far)")
@@ -309,41 +360,24 @@ class Trainer:
                     )
             else:
                 self.optimizer_steps += 1
+
+        with timer("update"):  # micro-batch building and metrics; the passes time themselves inside
+            done = self.updater.update_step(batch, timer, on_result=count_skipped)
         if self.cfg.logging.inspect_every and step % self.cfg.logging.inspect_every == 0:
-            self.inspector.dump(step, minibatches, decided_on, [r.selections for r in results], batch)
-        metrics.update(_average([r.metrics for r in results]))
+            with timer("inspect"):
+                self.inspector.dump(step, done.microbatches, done.decided_on, [r.selections for r in done.results], batch)
+        metrics = done.metrics
+        metrics.update(_average([r.metrics for r in done.results]))
         metrics["optim/skipped_steps"] = float(self.skipped_steps)
         return metrics
 
-    def _microbatches(self, batch: RolloutBatch) -> list[list[dict]]:
-        """This data-parallel rank's micro-batches of each optimizer mini-batch."""
-        b = self.cfg.batch
-        groups = int(batch.group_ids.max()) + 1
-        count = min(b.minibatches_per_step, groups)
-        bounds = [round(i * groups / count) for i in range(count + 1)]
-        dp_rank, dp_size = self.ctx.dp_rank, self.ctx.dp_size
-        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
-        minibatches = []
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            sequences = [i for i in range(len(batch)) if lo <= int(batch.group_ids[i]) < hi]
-            mine = partition_for_rank(len(sequences), [lengths[i] for i in sequences], dp_rank, dp_size)
-            indices = [sequences[i] for i in mine]
-            minibatches.append(make_microbatches(batch, indices, b.micro_batch_size, self.device))
-        return minibatches
-
     def sync_weights(self, version: int) -> None:
-        """Send the current weights to the rollout engine (rank 0) through the export stream."""
-        if self.ctx.dp_rank != 0:
-            return
-        stream = export_hf_tensors(self.model, self.arch, destination="first_rank")
-        if self.rank == 0:
-            if self.engine_released:
-                self.collector.engine.resume_memory()
-                self.engine_released = False
-            self.collector.engine.load_weights(stream, version=version)
-        else:
-            for _ in stream:
-                pass
+        """Every rank sends its own share of the weights: straight to the SGLang servers, or to rank 0's
+        in-process engine (collective; see rollout/weight_sync.py)."""
+        from stapo_megatron.rollout.weight_sync import sync_engine_weights
+
+        engine = self.collector.engine if self.rank == 0 else None
+        self.weight_sync = sync_engine_weights(self.ctx, self.model, self.arch, engine, version, self.weight_sync)
 
     def evaluate(self, step: int) -> dict:
         metrics = {}
@@ -372,17 +406,34 @@ class Trainer:
             (self.run_dir / STOP_FILE).unlink()
         return stop
 
-    def _log(self, step: int, metrics: dict, timer: PhaseTimer, batch: RolloutBatch) -> None:
-        metrics = merge_reporter_metrics(self.ctx, metrics)
-        if self.rank != 0:
-            return
-        metrics.update(timer.metrics())
-        total = sum(timer.seconds.values())
-        tokens = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
-        metrics["time/step"] = total
-        metrics["throughput/tokens_per_s"] = tokens / total if total > 0 else 0.0
-        metrics["optim/optimizer_steps"] = float(self.optimizer_steps)
-        self.logger.log(step, metrics)
+    def _checkpoint(self, step: int, timer: PhaseTimer, heartbeat: Heartbeat) -> None:
+        """Save ``step``. It runs after the step's row is written (a resume from it must find that
+        row), so its seconds count in the next step's row."""
+        if self.offload is not None:
+            self.ready_to_train(timer)
+        with timer("checkpoint"):
+            self.save()
+        heartbeat.saved(step)
+
+    def _log(self, step: int, metrics: dict, timer: PhaseTimer, batch: RolloutBatch, heartbeat: Heartbeat) -> PhaseTimer:
+        """Write the step's row; returns a timer started where this step's time ends, for what runs
+        after the row (writing it is the first of those)."""
+        with timer("logging"):
+            metrics = merge_reporter_metrics(self.ctx, metrics)
+        step_seconds = timer.stop()
+        following = heartbeat.timer(step).follow(timer)
+        if self.rank == 0:
+            with following("logging"):
+                metrics.update(timer.metrics())
+                tokens = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
+                metrics["throughput/tokens_per_s"] = tokens / step_seconds if step_seconds > 0 else 0.0
+                metrics["optim/optimizer_steps"] = float(self.optimizer_steps)
+                if self.offload is not None:  # rank 0's own bytes (ranks of other pipeline stages differ)
+                    metrics["memory/offloaded_gb"] = self.moved_bytes["offload"] / 1e9
+                    metrics["memory/reloaded_gb"] = self.moved_bytes["reload"] / 1e9
+                self.logger.log(step, metrics)
+        self.moved_bytes = dict.fromkeys(self.moved_bytes, 0)
+        return following
 
     def _message(self, text: str) -> None:
         if self.rank == 0:
@@ -393,6 +444,10 @@ class Trainer:
             self.collector.engine.shutdown()
             self.collector.reward_pool.close()
             self.logger.close()
+        if self.weight_sync is not None:
+            self.weight_sync.close()
+        if self.rollout_servers is not None:
+            self.rollout_servers.shutdown()  # this node's servers, on its leader
 
 
 def _average(rows: list[dict]) -> dict:

@@ -1,14 +1,25 @@
-"""The policy update: token statistics passes, the masked loss, and optimizer steps.
+"""The policy update of one rollout step: the micro-batch plan, token statistics passes, the
+masked loss and the optimizer steps.
 
-Everything about tokens happens on the last pipeline stage, where the logits are; the
-statistics and selections it keeps are indexed like the micro-batches every stage holds.
+Each optimizer mini-batch's sequences are split over the data-parallel ranks by tokens
+(:func:`~stapo_megatron.trainer.batch.balance_over_ranks`) and packed into micro-batches of at
+most ``batch.max_tokens_per_microbatch`` tokens for forward/backward and
+``batch.max_tokens_per_forward`` for the forward-only statistics passes, the same number on
+every rank (empty ones fill up). Statistics live in per-rank token vectors
+(:class:`~stapo_megatron.trainer.batch.TokenSlots`), so a pass in one layout feeds the loss in
+the other. Sequences with advantage 0 are left out when nothing of the configured loss reads them
+(:func:`~stapo_megatron.loss.zero_advantage_skippable`); their kept tokens are added to the loss
+denominator, so the update is the same.
+
+Everything about tokens happens on the last pipeline stage, where the logits are.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,8 +36,20 @@ from stapo_megatron.loss import (
     select_tokens,
     summarize_mismatch,
     vocab_parallel_logprob_entropy,
+    zero_advantage_skippable,
 )
+from stapo_megatron.models.qwen3.parallelize import sequence_multiple
 from stapo_megatron.runtime.distributed import ParallelContext
+from stapo_megatron.trainer.batch import (
+    RolloutBatch,
+    TokenSlots,
+    balance_over_ranks,
+    make_microbatches,
+    model_tokens,
+    pack_by_budget,
+    token_imbalance,
+    token_slots,
+)
 from stapo_megatron.trainer.schedule import forward_backward, forward_only
 
 
@@ -37,7 +60,99 @@ class MinibatchResult:
     selections: list  # per micro-batch Selection (last stage), for the inspector
 
 
+@dataclasses.dataclass
+class MinibatchPlan:
+    """One optimizer mini-batch on this data-parallel rank."""
+
+    update: list[dict]  # packed micro-batches of the update budget; the same count on every rank
+    forward: list[dict]  # packed micro-batches of the forward budget; the same count on every rank
+    # Of the whole mini-batch (every rank): what the left-out zero-advantage sequences add to the
+    # loss denominator: their response tokens (token_mean), their sequences with one (seq_mean_token_mean).
+    skipped_tokens: int
+    skipped_sequences: int
+
+
+@dataclasses.dataclass
+class StepPlan:
+    minibatches: list[MinibatchPlan]
+    slots: TokenSlots  # this rank's sequences of the whole step
+    metrics: dict[str, float]  # batch/*: computed alike on every rank from the whole batch
+
+
+@dataclasses.dataclass
+class StepResult:
+    metrics: dict[str, float]
+    results: list[MinibatchResult]
+    microbatches: list[list[dict]]  # per mini-batch, its update micro-batches
+    decided_on: list[list[TokenStats]]  # the statistics each mini-batch's selection read, per micro-batch
+
+
+def plan_step(batch: RolloutBatch, cfg, ctx: ParallelContext, pad_to_multiple: int = 1) -> StepPlan:
+    """Mini-batches of whole groups, split over data-parallel ranks and packed by tokens (see the
+    module docstring). Every rank computes every rank's share from the same batch, so the agreed
+    micro-batch counts (the largest over the data-parallel ranks) need no communication.
+
+    Metrics (each computed once here, reduced by max over the step's mini-batches where noted):
+    ``batch/dp_token_imbalance`` (max over mini-batches of (largest rank - mean) / mean tokens),
+    ``batch/skipped_fraction`` (skipped sequences / sequences), ``batch/padding_fraction``
+    (padding / all model tokens of the update micro-batches, all ranks).
+    """
+    b = cfg.batch
+    groups = int(batch.group_ids.max()) + 1
+    count = min(b.minibatches_per_step, groups)
+    bounds = [round(i * groups / count) for i in range(count + 1)]
+    lengths = [model_tokens(batch, i) for i in range(len(batch))]
+    skippable = b.skip_zero_advantage and zero_advantage_skippable(cfg.algo)
+    mine_all, shares, skipped, imbalance = [], [], 0, 0.0
+    update_tokens = padded_tokens = 0
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        sequences = [i for i in range(len(batch)) if lo <= int(batch.group_ids[i]) < hi]
+        zero = [i for i in sequences if skippable and float(batch.advantages[i]) == 0.0]
+        left_out = set(zero)
+        run = [i for i in sequences if i not in left_out]
+        parts = balance_over_ranks(run, lengths, ctx.dp_size)
+        imbalance = max(imbalance, token_imbalance(parts, lengths))
+        # the largest multiple of pad_to_multiple in the budget: padding never takes a row over it
+        update_bins = [pack_by_budget(part, lengths, b.max_tokens_per_microbatch // pad_to_multiple * pad_to_multiple)
+                       for part in parts]
+        forward_bins = [pack_by_budget(part, lengths, b.max_tokens_per_forward // pad_to_multiple * pad_to_multiple)
+                        for part in parts]
+        update_count = max(1, *(len(x) for x in update_bins))
+        forward_count = max(1, *(len(x) for x in forward_bins))
+        for bins in update_bins:
+            for chunk in bins + [[]] * (update_count - len(bins)):
+                tokens = sum(lengths[i] for i in chunk)
+                update_tokens += tokens
+                padded_tokens += -(-max(tokens, 1) // pad_to_multiple) * pad_to_multiple
+        mine = parts[ctx.dp_rank]
+        mine_all.extend(mine)
+        shares.append((update_bins[ctx.dp_rank] + [[]] * (update_count - len(update_bins[ctx.dp_rank])),
+                       forward_bins[ctx.dp_rank] + [[]] * (forward_count - len(forward_bins[ctx.dp_rank])), zero))
+        skipped += len(zero)
+    slots = token_slots(batch, mine_all)
+    minibatches = []
+    for update_bins, forward_bins, zero in shares:
+        minibatches.append(
+            MinibatchPlan(
+                update=make_microbatches(batch, update_bins, ctx.device, slots=slots, pad_to_multiple=pad_to_multiple),
+                forward=make_microbatches(batch, forward_bins, ctx.device, slots=slots, pad_to_multiple=pad_to_multiple),
+                skipped_tokens=sum(len(batch.response_ids[i]) for i in zero),
+                skipped_sequences=sum(1 for i in zero if batch.response_ids[i]),
+            )
+        )
+    metrics = {
+        "batch/dp_token_imbalance": imbalance,
+        "batch/skipped_fraction": skipped / len(batch),
+        "batch/padding_fraction": 1.0 - update_tokens / padded_tokens if padded_tokens else 0.0,
+    }
+    return StepPlan(minibatches, slots, metrics)
+
+
 class PolicyUpdater:
+    """Owns the update of a step: the plan, the statistics passes, thresholds and selections, the
+    loss inputs of each micro-batch (passed to the loss by the micro-batch's identity, never
+    written into it), and the optimizer steps."""
+
     def __init__(self, model, optimizer, cfg, arch, ctx: ParallelContext):
         # No scheduler here: the trainer steps it once per training step, after all mini-batches.
         self.model, self.optimizer = model, optimizer
@@ -46,6 +161,8 @@ class PolicyUpdater:
         self.last_stage = ctx.is_last_stage
         self.tp_group = ctx.tp_group
         self.dp_group = ctx.dp_group
+        # sequence parallelism splits the packed row over the tensor-parallel ranks
+        self.pad_to_multiple = sequence_multiple(ctx.tp_size, cfg.parallel.sequence_parallel)
 
     # ---- token statistics --------------------------------------------------------------------
 
@@ -69,37 +186,103 @@ class PolicyUpdater:
 
         return forward_only(self.model, microbatches, step)
 
+    def _to_slots(self, slots: TokenSlots, microbatches: list[dict], stats: list[TokenStats]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies of ``stats`` (one per micro-batch) as per-rank token vectors."""
+        logprob = torch.zeros(slots.size, dtype=torch.float32, device=self.ctx.device)
+        entropy = torch.zeros_like(logprob)
+        for mb, s in zip(microbatches, stats):
+            index = mb["token_index"].reshape(-1)
+            logprob[index] = s.logprob.reshape(-1).float()
+            entropy[index] = s.entropy.reshape(-1).float()
+        return logprob, entropy
+
+    @staticmethod
+    def _read_slots(tables: tuple[torch.Tensor, torch.Tensor], mb: dict) -> TokenStats:
+        logprob, entropy = (t[mb["token_index"]] for t in tables)
+        return TokenStats(logprob, entropy, mb["advantages"], mb["response_mask"])
+
+    # ---- one rollout step --------------------------------------------------------------------
+
+    def update_step(self, batch: RolloutBatch, timer: Optional[Callable] = None,
+                    on_result: Optional[Callable[[MinibatchResult], None]] = None,
+                    plan: Optional[StepPlan] = None) -> StepResult:
+        """Old statistics, then per mini-batch: threshold, selection, one optimizer step.
+        ``timer(name)``: a context manager per phase; ``on_result``: called after each optimizer
+        step (the trainer counts skipped steps there); ``plan``: micro-batches laid out by the
+        caller (benchmarks/update.py's padded reference) instead of :func:`plan_step`'s."""
+        phase = timer or (lambda name: contextlib.nullcontext())
+        if plan is None:
+            with phase("microbatches"):
+                plan = plan_step(batch, self.cfg, self.ctx, self.pad_to_multiple)
+        forward_all = [mb for m in plan.minibatches for mb in m.forward]
+        with phase("statistics"):
+            old_stats = self.statistics(forward_all)
+        metrics = dict(plan.metrics)
+        metrics.update(rollout_statistics(self.ctx, old_stats, forward_all))
+        metrics.update(candidate_mismatch(self.ctx, old_stats, forward_all, self.algo.tau_p))
+        old = self._to_slots(plan.slots, forward_all, old_stats) if self.last_stage else None
+        results, microbatches, decided_on = [], [], []
+        first = 0
+        for j, minibatch in enumerate(plan.minibatches):
+            current = old
+            threshold = None
+            if needs_statistics_pass(self.algo):
+                if j == 0:
+                    current_stats = old_stats[first : first + len(minibatch.forward)]
+                else:
+                    with phase("statistics"):
+                        current_stats = self.statistics(minibatch.forward)
+                if self.last_stage:
+                    threshold = minibatch_threshold(self.algo, current_stats, self.dp_group)
+                    current = self._to_slots(plan.slots, minibatch.forward, current_stats) if j else old
+            first += len(minibatch.forward)
+            with phase("update"):
+                result, stats = self.train_minibatch(minibatch, old, current, threshold)
+            if on_result is not None:
+                on_result(result)
+            results.append(result)
+            microbatches.append(minibatch.update)
+            decided_on.append(stats)
+        return StepResult(metrics, results, microbatches, decided_on)
+
     # ---- one optimizer step ------------------------------------------------------------------
 
-    def train_minibatch(self, microbatches: list[dict], old: list[TokenStats], current: Optional[list[TokenStats]]) -> MinibatchResult:
-        """Accumulate the masked loss over ``microbatches`` and take one optimizer step.
-
-        ``old``: statistics before this rollout step's first update (their log-probs are the
-        ratio's denominator). ``current``: statistics under the weights about to be updated, over
-        the whole mini-batch, for the rule's mini-batch threshold (None: not needed).
-        """
-        selections: list = []
+    def train_minibatch(self, minibatch: MinibatchPlan, old, current, threshold) -> tuple[MinibatchResult, list]:
+        """Accumulate the masked loss over the mini-batch's update micro-batches and take one
+        optimizer step. ``old``/``current``: per-rank token vectors (log-prob, entropy) before this
+        step's first update and under the weights about to be updated (last stage; None
+        elsewhere); ``threshold``: the rule's mini-batch threshold (None: the micro-batch decides)."""
+        microbatches = minibatch.update
+        inputs: dict[int, dict] = {}
+        decided_on: list[TokenStats] = []
         if self.last_stage:
-            for batch, stats in zip(microbatches, old):
-                batch["old_logprob"] = stats.logprob
-            if needs_statistics_pass(self.algo):
-                threshold = minibatch_threshold(self.algo, current, self.dp_group)
-                selections = [select_tokens(self.algo, stats, threshold) for stats in current]
-                for batch, selection in zip(microbatches, selections):
-                    batch["selection"] = selection
+            scoped = needs_statistics_pass(self.algo)
+            for k, mb in enumerate(microbatches):
+                stats = self._read_slots(current, mb)
+                decided_on.append(stats)
+                counts_skipped = k == 0 and self.ctx.dp_rank == 0  # once over the data-parallel group
+                inputs[id(mb)] = {
+                    "old_logprob": old[0][mb["token_index"]],
+                    "selection": select_tokens(self.algo, stats, threshold) if scoped else None,
+                    # what the left-out sequences add to the denominator, and their response tokens
+                    "skipped_count": (minibatch.skipped_tokens if self.algo.aggregation == "token_mean"
+                                      else minibatch.skipped_sequences) if counts_skipped else 0,
+                    "skipped_tokens": minibatch.skipped_tokens if counts_skipped else 0,
+                }
 
         collected = []
 
         def loss_fn(logits, batch):
+            given = inputs[id(batch)]
             logprob, entropy = self._token_logprob_entropy(logits, batch, entropy_grad=self.algo.entropy_coef > 0)
-            selection = batch.get("selection")
+            selection = given["selection"]
             if selection is None:  # a rule without a mini-batch threshold: this micro-batch decides
                 stats = TokenStats(logprob.detach(), entropy.detach(), batch["advantages"], batch["response_mask"])
                 selection = select_tokens(self.algo, stats, None)
                 collected.append(selection)
             loss_sum, num_tokens, metrics = policy_loss(
                 logprob,
-                batch["old_logprob"],
+                given["old_logprob"],
                 batch["advantages"],
                 selection.keep,
                 eps_low=self.algo.eps_low,
@@ -116,16 +299,25 @@ class PolicyUpdater:
                 rollout_correction=self.algo.rollout_correction,
                 rollout_correction_cap=self.algo.rollout_correction_cap,
                 rollout_correction_floor=self.algo.rollout_correction_floor,
+                segment_ids=batch["segment_ids"],
             )
+            if given["skipped_tokens"]:
+                # left-out zero-advantage sequences: kept by the rule, no gradient, in the denominator
+                num_tokens = num_tokens + given["skipped_count"]
+                skipped = torch.tensor(float(given["skipped_tokens"]), dtype=torch.float64, device=logprob.device)
+                metrics = {**metrics, "kept_tokens": metrics["kept_tokens"] + skipped,
+                           "response_tokens": metrics["response_tokens"] + skipped, "skipped_tokens": skipped}
             return loss_sum, num_tokens, {"metrics": metrics}
 
         for chunk in self.model if isinstance(self.model, list) else [self.model]:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         reports = forward_backward(self.model, microbatches, loss_fn)
-        selections = selections or collected
+        selections = collected or [inputs[id(mb)]["selection"] for mb in microbatches if id(mb) in inputs]
 
         local = reduce_metrics([r["metrics"] for r in reports]) if reports else {}
+        if self.last_stage:
+            local.setdefault("skipped_tokens", torch.zeros((), dtype=torch.float64, device=self.ctx.device))
         loss_nonfinite = self.last_stage and "pg_loss_sum" in local and not math.isfinite(float(local["pg_loss_sum"]))
         skipped = self.ctx.any_rank(loss_nonfinite or not self._grads_finite())
         metrics: dict[str, float] = {}
@@ -138,7 +330,7 @@ class PolicyUpdater:
         if self.last_stage:
             reduced = all_reduce_metrics(local, self.dp_group)
             metrics.update(summarize_loss_metrics(reduced))
-        return MinibatchResult(metrics=metrics, skipped=skipped, selections=selections)
+        return MinibatchResult(metrics=metrics, skipped=skipped, selections=selections), decided_on
 
     def _grads_finite(self) -> bool:
         chunks = self.model if isinstance(self.model, list) else [self.model]
@@ -147,7 +339,6 @@ class PolicyUpdater:
                 if not torch.isfinite(buffer.grad_data).all():
                     return False
         return True
-
 
 
 def candidate_mismatch(
@@ -220,25 +411,32 @@ def summarize_loss_metrics(m: dict[str, torch.Tensor]) -> dict[str, float]:
     def ratio(num: str, den: str) -> float:
         return value(num) / value(den) if value(den) > 0 else 0.0
 
+    # Left-out zero-advantage tokens are in kept/response tokens (the loss denominator) but were
+    # not run: per-token means of what was computed divide by the tokens run.
+    run = value("kept_tokens") - value("skipped_tokens")
+
+    def per_run_token(num: str) -> float:
+        return value(num) / run if run > 0 else 0.0
+
     out = {
         "s2t/masked_fraction": ratio("silenced_tokens", "response_tokens"),
         "s2t/silenced_tokens": value("silenced_tokens"),
         "policy/kept_tokens": value("kept_tokens"),
         "policy/response_tokens": value("response_tokens"),
         "policy/pg_loss": ratio("pg_loss_sum", "kept_tokens"),
-        "policy/clip_low_fraction": ratio("clip_low_tokens", "kept_tokens"),
-        "policy/clip_high_fraction": ratio("clip_high_tokens", "kept_tokens"),
-        "policy/dual_clip_fraction": ratio("dual_clip_tokens", "kept_tokens"),
-        "policy/approx_kl": ratio("approx_kl_sum", "kept_tokens"),
-        "policy/ratio_mean": ratio("ratio_sum", "kept_tokens"),
-        "policy/entropy_kept": ratio("entropy_kept_sum", "kept_tokens"),
+        "policy/clip_low_fraction": per_run_token("clip_low_tokens"),
+        "policy/clip_high_fraction": per_run_token("clip_high_tokens"),
+        "policy/dual_clip_fraction": per_run_token("dual_clip_tokens"),
+        "policy/approx_kl": per_run_token("approx_kl_sum"),
+        "policy/ratio_mean": per_run_token("ratio_sum"),
+        "policy/entropy_kept": per_run_token("entropy_kept_sum"),
     }
     if "ratio_max" in m and math.isfinite(float(m["ratio_max"])):
         out["policy/ratio_max"] = float(m["ratio_max"])
         out["policy/ratio_min"] = float(m["ratio_min"])
     if "rollout_weight_sum" in m:  # a rollout correction is on
-        out["rollout_correction/weight_mean"] = ratio("rollout_weight_sum", "kept_tokens")
-        out["rollout_correction/truncated_fraction"] = ratio("rollout_truncated_tokens", "kept_tokens")
+        out["rollout_correction/weight_mean"] = per_run_token("rollout_weight_sum")
+        out["rollout_correction/truncated_fraction"] = per_run_token("rollout_truncated_tokens")
         out["rollout_correction/rejected_fraction"] = ratio("rollout_rejected_tokens", "response_tokens")
     if "candidate_tokens" in m:
         out["s2t/candidates"] = value("candidate_tokens")

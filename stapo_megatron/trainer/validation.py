@@ -7,7 +7,6 @@ from pathlib import Path
 
 from stapo_megatron.config import MAX_BATCH, ConfigError
 from stapo_megatron.models.qwen3.config import Qwen3Config
-from stapo_megatron.models.qwen3.model import transformer_engine_available
 from stapo_megatron.models.qwen3.parallelize import check_layout
 from stapo_megatron.runtime.distributed import MAX_RANKS
 from stapo_megatron.trainer.config import TrainConfig
@@ -81,9 +80,14 @@ def check_train_config(cfg: TrainConfig, files: bool = True) -> None:
         )
     check_layout(cfg.model, p.tensor_parallel, p.pipeline_parallel)
     if p.context_parallel > 1:
-        raise ConfigError("parallel.context_parallel: the trainer runs with context_parallel = 1 (padded micro-batches)")
-    if p.sequence_parallel and not transformer_engine_available():
-        raise ConfigError("parallel.sequence_parallel: needs Transformer Engine's layers (not importable here)")
+        # Megatron splits a sequence over CP ranks only inside Transformer Engine's attention
+        # (ring attention over load-balanced chunks); the local spec's attention cannot, and the
+        # trainer's micro-batches and loss keep each sequence whole on a rank.
+        raise ConfigError(
+            "parallel.context_parallel: must be 1 (context parallelism needs Transformer Engine's attention "
+            "and sequence-split micro-batches, which the trainer does not build; sequence_parallel splits "
+            "activations over TP instead)"
+        )
     if cfg.algo.kl_coef > 0:
         raise ConfigError("algo.kl_coef: the trainer keeps no reference model (STAPO, GRPO, DAPO, JustRL use none); set 0")
     if cfg.algo.overlong_shaping and cfg.algo.overlong_buffer > cfg.batch.max_new_tokens:

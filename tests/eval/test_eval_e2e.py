@@ -193,7 +193,7 @@ def test_the_sglang_engine_gets_the_model_directory(tiny_model, eval_data_dir, t
     assert len(sampling) == 2 * 3 * 2 and len({p["sampling_seed"] for p in sampling}) == 12
     assert {(p["temperature"], p["top_p"], p["max_new_tokens"]) for p in sampling} == {(0.7, 0.9, 4)}
     # The server was launched on the model directory itself (its log file is in the output directory).
-    logs = [f.read_text() for f in (tmp_path / "out" / "sglang_logs").glob("*.log")]
+    logs = [f.read_text() for f in (tmp_path / "out" / "sglang").glob("*.log")]
     assert len(logs) == 1 and f"serving {tiny_model} on" in logs[0]
     whole = tmp_path / "out"
     lines = (whole / "responses.jsonl").read_text().splitlines(keepends=True)

@@ -21,8 +21,10 @@ ACT_ARCH = Qwen3Config(
     num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=False,
 )
 ACT_SEQ, ACT_BATCH, ACT_CHUNK = 256, 2, 256
-# (tensor_parallel, recompute) cases of the activation measurement, fp32 (bf16 matmuls are slow on CPU).
-ACT_CASES = [(1, "none"), (1, "selective"), (1, "full"), (2, "none"), (2, "full")]
+# (tensor_parallel, recompute, sequence_parallel) cases of the activation measurement, fp32 (bf16
+# matmuls are slow on CPU).
+ACT_CASES = [(1, "none", False), (1, "selective", False), (1, "full", False), (2, "none", False), (2, "full", False),
+             (2, "none", True), (2, "selective", True)]
 
 # Optimizer state: tied embeddings, so pipeline stages get the shared-embedding bucket.
 OPT_ARCH = Qwen3Config(
@@ -62,13 +64,13 @@ def measure_all(out: str) -> None:
 
     result: dict = {"activations": [], "optimizer": [], "real_meta": []}
     world = 2
-    for tp, recompute in ACT_CASES:
+    for tp, recompute, sp in ACT_CASES:
         _init(tp, 1, world // tp)
         peak = activation_peak(
-            ACT_ARCH, seq_len=ACT_SEQ, micro_batch=ACT_BATCH, recompute=recompute,
+            ACT_ARCH, seq_len=ACT_SEQ, micro_batch=ACT_BATCH, recompute=recompute, sequence_parallel=sp,
             params_dtype=torch.float32, logits_chunk=ACT_CHUNK,
         )
-        result["activations"].append({"tp": tp, "recompute": recompute, "peak": peak})
+        result["activations"].append({"tp": tp, "recompute": recompute, "sequence_parallel": sp, "peak": peak})
     for tp, pp, dp, dtype in OPT_CASES:
         _init(tp, pp, dp)
         found = optimizer_footprint(OPT_ARCH, params_dtype=getattr(torch, dtype))

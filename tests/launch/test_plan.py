@@ -85,23 +85,31 @@ def test_optimizer_bytes_equal_megatrons_distributed_optimizer(measured):
             assert st.params == found["params"], found
             assert st.grads == 4 * found["buffer_numel"], found
             assert st.optimizer_by_dp_rank[found["dp_rank"]] == found["optimizer_bytes"], found
+            # the alternation model: with offload the rollout phase keeps nothing of the trainer but
+            # its weights while syncing; the trainer's offload moves exactly the planned bytes
+            offloaded = found["offloaded_bytes"]
+            assert offloaded["params"] == st.weights, found
+            assert offloaded["optimizer"] == st.grads + st.optimizer_by_dp_rank[found["dp_rank"]] + found["adam_step_bytes"], found
 
 
 def test_activation_estimate_within_25_percent_of_the_measured_peak(measured):
     rows = []
     for case in measured[0]["activations"]:
         work = Workload(seq_len=_workers.ACT_SEQ, micro_batch=_workers.ACT_BATCH, recompute=case["recompute"],
-                        kernels="local", params_dtype="float32", logits_chunk=_workers.ACT_CHUNK)
+                        sequence_parallel=case["sequence_parallel"], kernels="local", params_dtype="float32",
+                        logits_chunk=_workers.ACT_CHUNK)
         st = plan.stage_memory(_workers.ACT_ARCH, Layout(case["tp"], 1, 1), work, 0)
         error = (st.peak_activations - case["peak"]) / case["peak"]
-        rows.append(f"TP{case['tp']} {case['recompute']}: measured {case['peak'] / 2**20:.1f} MiB, "
+        rows.append(f"TP{case['tp']}{' SP' if case['sequence_parallel'] else ''} {case['recompute']}: measured {case['peak'] / 2**20:.1f} MiB, "
                     f"estimated {st.peak_activations / 2**20:.1f} MiB ({100 * error:+.1f}%)")
         assert abs(error) < TOLERANCE, rows[-1]
     print("\n".join(rows))
     # the cases differ enough to test the terms: recompute and TP must move the peak
-    peaks = {(c["tp"], c["recompute"]): c["peak"] for c in measured[0]["activations"]}
-    assert peaks[(1, "full")] < peaks[(1, "selective")] < peaks[(1, "none")]
-    assert peaks[(2, "none")] < 0.7 * peaks[(1, "none")]
+    peaks = {(c["tp"], c["recompute"], c["sequence_parallel"]): c["peak"] for c in measured[0]["activations"]}
+    assert peaks[(1, "full", False)] < peaks[(1, "selective", False)] < peaks[(1, "none", False)]
+    assert peaks[(2, "none", False)] < 0.7 * peaks[(1, "none", False)]
+    # sequence parallelism splits the norm/residual activations over TP
+    assert peaks[(2, "none", True)] < 0.95 * peaks[(2, "none", False)]
 
 
 def test_buffer_layout_pads_like_megatron():
@@ -117,8 +125,9 @@ def test_layouts_smallest_first_and_only_buildable():
     layouts = plan.candidate_layouts(arch, 32)
     sizes = [(lay.tp * lay.pp, lay.pp, lay.tp) for lay in layouts]
     assert sizes == sorted(sizes) and layouts[0] == Layout(1, 1, 32)
-    assert all(40 % lay.tp == 0 and 8 % lay.tp == 0 and 40 % lay.pp == 0 and lay.tp <= 8 for lay in layouts)
+    assert all(40 % lay.tp == 0 and 8 % lay.tp == 0 and lay.pp <= 40 and lay.tp <= 8 for lay in layouts)
     assert Layout(4, 2, 4) in layouts and all(lay.gpus == 32 for lay in layouts)
+    assert Layout(1, 16, 2) in layouts  # 40 layers over 16 stages: an uneven split
 
 
 def test_plan_command_lists_fitting_layouts(capsys):
@@ -159,17 +168,20 @@ def test_plan_command_errors_are_one_line(capsys):
 def test_example_configs_fit_80_gb(size):
     cfg = load_config(TrainConfig, REPO_ROOT / "configs" / f"qwen3_{size}_stapo.yaml")
     p = cfg.parallel
-    work = Workload(seq_len=cfg.data.max_prompt_tokens + cfg.batch.max_new_tokens, micro_batch=cfg.batch.micro_batch_size,
+    work = Workload(seq_len=cfg.batch.max_tokens_per_microbatch, micro_batch=1,
                     sequences_per_minibatch=cfg.batch.prompts_per_minibatch * cfg.batch.group_size,
-                    recompute=cfg.compute.recompute, logits_chunk=cfg.compute.logits_chunk_size)
+                    recompute=cfg.compute.recompute, sequence_parallel=p.sequence_parallel,
+                    logits_chunk=cfg.compute.logits_chunk_size)
+    offload = cfg.compute.offload_while_generating
     est = plan.estimate(cfg.model, Layout(p.tensor_parallel, p.pipeline_parallel, p.data_parallel), work,
-                        gpu_memory_gb=80, colocate_fraction=cfg.rollout.sglang.mem_fraction_static)
+                        gpu_memory_gb=80, colocate_fraction=cfg.rollout.sglang.mem_fraction_static,
+                        sglang_released=offload or cfg.rollout.release_memory_between_steps, offload=offload)
     assert est.fits, plan.format_stages(est)
 
 
 def test_estimate_rejects_unbuildable_layouts():
-    with pytest.raises(ConfigError, match="PP 3 does not divide the 40 layers"):
-        plan.estimate(build(Qwen3Config, "qwen3_14b"), Layout(1, 3, 1), Workload(seq_len=16))
+    with pytest.raises(ConfigError, match="PP 41 is more than the 40 layers"):
+        plan.estimate(build(Qwen3Config, "qwen3_14b"), Layout(1, 41, 1), Workload(seq_len=16))
 
 
 def test_released_sglang_share_takes_turns_with_activations():
@@ -180,5 +192,73 @@ def test_released_sglang_share_takes_turns_with_activations():
     worst = held.worst
     static = worst.weights + worst.grads + worst.optimizer
     assert held.total == static + worst.peak_activations + 0.6 * 80 * plan.GIB + 4 * plan.GIB
-    assert released.total == static + max(worst.peak_activations, 0.6 * 80 * plan.GIB) + 4 * plan.GIB
+    # the two phases' worst stages may differ: the rollout phase counts the largest static state
+    largest_static = max(st.weights + st.grads + st.optimizer for st in released.stages)
+    assert released.total == max(static + worst.peak_activations, largest_static + 0.6 * 80 * plan.GIB) + 4 * plan.GIB
     assert not held.fits and released.fits
+
+
+def test_offload_alternation_per_gpu_phases():
+    """Train phase: the trainer alone (servers released); rollout phase: the servers' share plus what
+    the trainer keeps, its weights (for the sync) with offload, its whole static state without."""
+    arch = build(Qwen3Config, "qwen3_32b")
+    work = Workload(seq_len=17408, recompute="full")
+    layout = Layout(8, 2, 4)
+    released = plan.estimate(arch, layout, work, colocate_fraction=0.8, sglang_released=True)
+    offloaded = plan.estimate(arch, layout, work, colocate_fraction=0.8, sglang_released=True, offload=True)
+    share, reserve = 0.8 * 80 * plan.GIB, 4 * plan.GIB
+    worst = offloaded.worst
+    assert offloaded.train_phase == released.train_phase == worst.trainer + reserve
+    assert offloaded.rollout_phase == max(st.weights for st in offloaded.stages) + share + reserve
+    assert released.rollout_phase == max(st.weights + st.grads + st.optimizer for st in released.stages) + share + reserve
+    assert offloaded.total == max(offloaded.train_phase, offloaded.rollout_phase) == offloaded.rollout_phase
+    # at mem_fraction_static 0.8 on 80 GiB only the offloaded trainer leaves the servers room
+    assert offloaded.fits and not released.fits
+    # the servers held through training (no release): the old sum, unchanged
+    held = plan.estimate(arch, layout, work, colocate_fraction=0.35)
+    assert held.total == held.train_phase == worst.trainer + 0.35 * 80 * plan.GIB + reserve
+
+
+def test_kv_cache_bytes_per_token_split_over_server_tp():
+    arch = build(Qwen3Config, "qwen3_32b")  # 64 layers, 8 key/value heads of 128
+    assert plan.kv_bytes_per_token(arch, 1) == 2 * 64 * 8 * 128 * 2 == 262_144
+    assert plan.kv_bytes_per_token(arch, 8) == 2 * 64 * 1 * 128 * 2 == 32_768
+    # past the head count SGLang replicates the heads: no further saving
+    assert plan.kv_bytes_per_token(arch, 16) == plan.kv_bytes_per_token(arch, 8)
+
+
+def test_rollout_capacity_of_each_placement():
+    arch = build(Qwen3Config, "qwen3_32b")
+    assert arch.num_parameters() == 32_762_123_264
+    colocated = plan.rollout_capacity(arch, placement="colocated", servers=8, server_tp=8, mem_fraction=0.8,
+                                      gpu_memory_gb=80, max_seq_len=17408)
+    weights_per_gpu = 32_762_123_264 * 2 // 8  # 8,190,530,816 bytes
+    assert colocated.kv_cache_per_gpu == 0.8 * 80 * 2**30 - weights_per_gpu == 60_528_945_920
+    assert colocated.tokens_per_server == 60_528_945_920 // 32_768 == 1_847_196
+    assert colocated.sequences_per_server == 1_847_196 // 17_408 == 106
+    assert colocated.sequences == 848
+    # the old layout: one server on the first node at 0.35
+    dedicated = plan.rollout_capacity(arch, placement="disaggregated", servers=1, server_tp=8, mem_fraction=0.35,
+                                      gpu_memory_gb=80, max_seq_len=17408)
+    assert dedicated.tokens_per_server == int((0.35 * 80 * 2**30 - weights_per_gpu) // 32_768) == 667_548
+    assert dedicated.sequences == 667_548 // 17_408 == 38
+    # a share smaller than the weights leaves no KV cache, not a negative one
+    assert plan.rollout_capacity(arch, placement="colocated", servers=1, server_tp=1, mem_fraction=0.5,
+                                 gpu_memory_gb=80, max_seq_len=17408).tokens_per_server == 0
+
+
+def test_plan_command_reports_phases_and_rollout_capacity(capsys):
+    argv = ["plan", "--model", "qwen3_32b", "--gpus", "64", "--seq-len", "17408", "--recompute", "full",
+            "--colocate-fraction", "0.8", "--server-tp", "8", "--tp", "8", "--pp", "2"]
+    assert main([*argv, "--offload"]) == 0
+    out = capsys.readouterr().out
+    assert "trainer offloaded while generating" in out
+    assert ("rollout colocated: 8 server(s) x TP 8 at mem_fraction_static 0.8: KV cache 56.4 GiB per GPU "
+            "(32,768 bytes per token) = 1,847,196 tokens per server = 106 sequences of 17,408 tokens per server, "
+            "848 at once") in out
+    assert "rollout disaggregated: 1 server(s) x TP 8" in out and "106 at once" in out
+    assert "rollout phase: sglang 64.0 + trainer weights (the rest offloaded)" in out and ": fits" in out
+    assert main([*argv, "--sglang-released"]) == 0
+    assert "does not fit" in capsys.readouterr().out
+    assert main([*argv[:-4], "--server-tp", "3"]) == 2
+    assert "--server-tp: must be >= 1 and divide the 64 GPUs, got 3" in capsys.readouterr().err

@@ -11,13 +11,14 @@ def check_local_engine_matches_megatron(hf_dir: str, tp: int, pp: int) -> None:
     equal the Megatron model's log-probs of the same tokens."""
     from megatron.core import parallel_state as ps
 
-    from stapo_megatron.checkpoint.convert import export_hf_tensors, fill_from_hf
+    from stapo_megatron.checkpoint.convert import fill_from_hf
     from stapo_megatron.checkpoint.hf_io import HFCheckpoint
     from stapo_megatron.loss import vocab_parallel_logprob_entropy
     from stapo_megatron.models.qwen3.config import Qwen3Config
     from stapo_megatron.models.qwen3.parallelize import build_stage
     from stapo_megatron.rollout.engine import SamplingParams
     from stapo_megatron.rollout.local_engine import LocalEngine
+    from stapo_megatron.rollout.weight_sync import gather_to_controller
     from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
     from stapo_megatron.trainer.batch import RolloutBatch, broadcast_rollouts, make_microbatches
     from stapo_megatron.trainer.schedule import forward_only
@@ -27,12 +28,8 @@ def check_local_engine_matches_megatron(hf_dir: str, tp: int, pp: int) -> None:
     model = build_stage(arch, perform_initialization=False)
     fill_from_hf(model, arch, HFCheckpoint(hf_dir))
     engine = LocalEngine(arch) if dist.get_rank() == 0 else None
-    stream = export_hf_tensors(model, arch, destination="first_rank")
-    if engine is not None:
-        engine.load_weights(stream, version=1)
-    else:
-        for _ in stream:
-            pass
+    # Small buckets: several per rank, so the controller interleaves its own and the others'.
+    gather_to_controller(ctx, model, arch, lambda stream: engine.load_weights(stream, version=1), bucket_bytes=64 * 1024)
 
     batch = None
     if engine is not None:
@@ -48,7 +45,8 @@ def check_local_engine_matches_megatron(hf_dir: str, tp: int, pp: int) -> None:
             group_ids=torch.arange(count),
         )
     batch = broadcast_rollouts(ctx, batch)
-    microbatches = make_microbatches(batch, list(range(len(batch))), 5, torch.device("cpu"))
+    bins = [list(range(len(batch)))[i : i + 5] for i in range(0, len(batch), 5)]
+    microbatches = make_microbatches(batch, bins, torch.device("cpu"), packed=False)
 
     def logprob(logits, mb):
         lp, _ = vocab_parallel_logprob_entropy(

@@ -16,7 +16,9 @@ its ``server_command`` setting. Process-only behaviour comes from environment va
 * ``FAKE_SGLANG_RECORD_DIR``: append every request as one JSON line to ``<dir>/<port>.jsonl``;
 * ``FAKE_SGLANG_SPAWN_CHILD``: start a child process in the server's process group, as SGLang's
   scheduler processes are, and write its pid to ``<record dir>/<port>.child``;
-* ``FAKE_SGLANG_STARTUP_S``: answer 503 on the health routes for this long after start.
+* ``FAKE_SGLANG_STARTUP_S``: answer 503 on the health routes for this long after start;
+* ``FAKE_SGLANG_TOKEN_S``: seconds each ``/generate`` takes per token it may generate (n x
+  max_new_tokens per prompt), as a GPU's decode time grows with them; requests overlap.
 
 Like SGLang, process mode logs its settings (API keys included) through ``logging`` when it starts,
 so a test can see that the launch wrapper keeps the key out of the server's log.
@@ -72,6 +74,7 @@ BODY_KEYS = {
     "/begin_weight_update": set(),
     "/end_weight_update": set(),
     "/abort_request": {"rid", "abort_all"},
+    "/update_weight_version": {"new_version", "abort_all_requests"},
 }
 # Routes that only the admin key may call when --admin-api-key is set.
 ADMIN_ROUTES = set(BODY_KEYS) | {"/flush_cache"}
@@ -132,7 +135,7 @@ class FakeState:
 
     def __init__(self, *, version: str, tp_size: int, api_key: str | None, admin_api_key: str | None,
                  model_path: str, port: int, record_path: str | None = None, startup_s: float = 0.0,
-                 die_file: str | None = None):
+                 die_file: str | None = None, token_s: float = 0.0):
         self.version_text = version
         self.version = parse_version(version)
         self.tp_size = tp_size
@@ -142,6 +145,7 @@ class FakeState:
         self.port = port
         self.record_path = record_path
         self.die_file = die_file
+        self.token_s = token_s
         self.started = time.monotonic()
         self.startup_s = startup_s
         self.lock = threading.Lock()
@@ -292,7 +296,18 @@ class FakeState:
                         "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, tokens)],
                     },
                 })
+        if self.token_s:
+            time.sleep(self.token_s * sum(n * int(p.get("max_new_tokens", 128)) for p in sps))
+        self.record_completion(prompts, n)
         return 200, items[0] if single and n == 1 else items
+
+    def record_completion(self, prompts: list, n: int) -> None:
+        """In process mode, one line per answered /generate (requests are recorded on arrival, so a
+        server that dies mid-request has an arrival without a completion)."""
+        if self.record_path:
+            with open(self.record_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"path": "/fake/completed", "input_ids": prompts, "n": n,
+                                    "weight_version": self.weight_version}) + "\n")
 
     def _check_sampling(self, p: dict) -> None:
         unknown = set(p) - SAMPLING_KEYS
@@ -490,6 +505,15 @@ class FakeState:
     def abort_request(self, body: dict) -> tuple[int, Any]:
         return 200, b""
 
+    def update_weight_version(self, body: dict) -> tuple[int, Any]:
+        if not isinstance(body.get("new_version"), str):
+            raise BadRequest("new_version must be a string")
+        with self.lock:
+            self.weight_version = body["new_version"]
+            self.updates.append({"path": "/update_weight_version", "names": [], "nbytes": 0,
+                                 "weight_version": body["new_version"], "session": self.session_open})
+        return 200, {"success": True, "message": f"Weight version updated to {body['new_version']}"}
+
 
 def _handler_for(state: FakeState):
     class Handler(BaseHTTPRequestHandler):
@@ -545,12 +569,18 @@ def _handler_for(state: FakeState):
     return Handler
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    # uvicorn's listen backlog: a burst of concurrent requests must queue, not be reset (the
+    # standard library's default of 5 resets connections under a rollout's fan-out).
+    request_queue_size = 2048
+
+
 class FakeSGLangServer:
     """The fake in a background thread of the test process."""
 
     def __init__(self, *, port: int = 0, version: str = DEFAULT_VERSION, tp_size: int = 1,
                  api_key: str | None = None, admin_api_key: str | None = None, model_path: str = "fake/model"):
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), None)  # type: ignore[arg-type]
+        self.httpd = _HTTPServer(("127.0.0.1", port), None)  # type: ignore[arg-type]
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self.state = FakeState(version=version, tp_size=tp_size, api_key=api_key, admin_api_key=admin_api_key,
@@ -610,13 +640,13 @@ def main(argv: list[str] | None = None) -> None:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         with open(os.path.join(record_dir, f"{args.port}.child"), "a", encoding="utf-8") as f:
             f.write(f"{child.pid}\n")
-    httpd = ThreadingHTTPServer((args.host, args.port), None)  # type: ignore[arg-type]
+    httpd = _HTTPServer((args.host, args.port), None)  # type: ignore[arg-type]
     httpd.daemon_threads = True
     state = FakeState(
         version=os.environ.get("FAKE_SGLANG_VERSION", DEFAULT_VERSION), tp_size=args.tp_size,
         api_key=args.api_key, admin_api_key=args.admin_api_key, model_path=args.model_path, port=args.port,
         record_path=record_path, startup_s=float(os.environ.get("FAKE_SGLANG_STARTUP_S", "0")),
-        die_file=os.environ.get("FAKE_SGLANG_DIE_FILE"),
+        die_file=os.environ.get("FAKE_SGLANG_DIE_FILE"), token_s=float(os.environ.get("FAKE_SGLANG_TOKEN_S", "0")),
     )
     httpd.RequestHandlerClass = _handler_for(state)
     print(f"fake sglang {state.version_text} serving {args.model_path} on {args.host}:{args.port}", flush=True)

@@ -165,11 +165,12 @@ def pid_alive(pid: int) -> bool:
 def test_launch_command_for_given_settings():
     cfg = SGLangConfig(
         model_path="/models/Qwen3-8B", tp_size=2, num_servers=2, base_gpu_id=4, host="0.0.0.0",
-        mem_fraction_static=0.55, dtype="bfloat16", context_length=8192, random_seed=7, colocated=True,
+        mem_fraction_static=0.55, dtype="bfloat16", context_length=8192, random_seed=7,
         deterministic_inference=True, load_format="dummy", extra_args=["--skip-server-warmup"],
         env={"NCCL_DEBUG": "WARN"},
     )
-    argv, env = build_launch_command(cfg, index=1, port=31001, nccl_port=32001, api_key="s3cret")
+    argv, env = build_launch_command(cfg, local_index=1, global_index=5, port=31001, nccl_port=32001,
+                                     api_key="s3cret")
     assert argv[:4] == [sys.executable, "-m", "stapo_megatron.rollout.sglang_launch", "sglang.launch_server"]
     assert argv[-1] == "--skip-server-warmup"
     flags = argv[4:]
@@ -178,11 +179,15 @@ def test_launch_command_for_given_settings():
     values.update(f.split("=", 1) for f in flags if f.startswith("--") and "=" in f)
     assert values == {
         "--model-path": "/models/Qwen3-8B", "--host": "0.0.0.0", "--port": "31001", "--tp-size": "2",
-        "--base-gpu-id": "6", "--mem-fraction-static": "0.55", "--random-seed": "8", "--dtype": "bfloat16",
+        "--base-gpu-id": "6", "--mem-fraction-static": "0.55", "--random-seed": "12", "--dtype": "bfloat16",
         "--nccl-port": "32001", "--context-length": "8192", "--load-format": "dummy",
     }
-    for switch in ("--skip-tokenizer-init", "--enable-memory-saver", "--enable-deterministic-inference"):
+    for switch in ("--skip-tokenizer-init", "--enable-deterministic-inference"):
         assert switch in flags
+    # Colocated servers (one per tp_size GPUs of each node, from GPU 0) can give their memory back.
+    colocated = SGLangConfig(model_path="m", tp_size=2, placement="colocated")
+    argv, _ = build_launch_command(colocated, local_index=3, global_index=7, port=1, nccl_port=2, api_key="k")
+    assert "--enable-memory-saver" in argv and argv[argv.index("--base-gpu-id") + 1] == "6"
     assert env["NCCL_DEBUG"] == "WARN" and env["PATH"] == os.environ["PATH"]
     # The key travels in the environment only (see test_sglang_secrets for the launched processes).
     assert env[KEY_ENV] == "s3cret" and not any("s3cret" in arg for arg in argv)
@@ -190,7 +195,7 @@ def test_launch_command_for_given_settings():
     fake_sglang.build_parser().parse_args(flags)
 
     plain = SGLangConfig(model_path="m", server_command=["/opt/wrap.sh", "serve"])
-    argv, _ = build_launch_command(plain, index=0, port=1, nccl_port=2, api_key="k")
+    argv, _ = build_launch_command(plain, local_index=0, global_index=0, port=1, nccl_port=2, api_key="k")
     assert argv[:2] == ["/opt/wrap.sh", "serve"] and argv[2] == "--model-path" and "k" not in argv
     assert "--enable-memory-saver" not in argv and "--context-length" not in argv
 
@@ -207,8 +212,14 @@ def test_config_validation():
         SGLangConfig(urls=["http://h:1"], weight_sync="tensor")
     with pytest.raises(ConfigError, match=r"^sglang.weight_bucket_bytes: "):
         build(RolloutConfig, {"engine": "sglang", "sglang": {"model_path": "m", "weight_bucket_bytes": 0}})
-    cfg = build(RolloutConfig, {"engine": "sglang", "sglang": {"model_path": "m", "colocated": "true"}})
-    assert cfg.sglang.resolved_weight_sync == "tensor" and cfg.sglang.launches
+    cfg = build(RolloutConfig, {"engine": "sglang", "sglang": {"model_path": "m", "placement": "colocated"}})
+    assert cfg.sglang.resolved_weight_sync == "tensor" and cfg.sglang.launches and cfg.sglang.colocated
+    with pytest.raises(ConfigError, match=r"^sglang.placement: "):
+        build(RolloutConfig, {"engine": "sglang", "sglang": {"model_path": "m", "placement": "everywhere"}})
+    with pytest.raises(ConfigError, match=r"^num_servers: colocated placement launches one server per tp_size GPUs"):
+        SGLangConfig(model_path="m", placement="colocated", num_servers=4)
+    with pytest.raises(ConfigError, match=r"^base_gpu_id: colocated placement"):
+        SGLangConfig(model_path="m", placement="colocated", base_gpu_id=4)
     assert SGLangConfig(urls=["http://h:1"]).resolved_weight_sync == "distributed"
     assert RolloutConfig().engine == "local"
 
@@ -217,7 +228,7 @@ def test_startup_failure_names_the_log(tmp_path):
     cfg = launch_config(tmp_path, server_command=[sys.executable, "-c", "import sys; print('no GPU here'); sys.exit(7)"])
     with pytest.raises(SGLangServerError, match=r"exited with status 7") as info:
         SGLangEngine(cfg)
-    assert str(tmp_path / "logs" / "sglang-server-0.log") in str(info.value)
+    assert str(tmp_path / "logs" / "server-0.log") in str(info.value)
     assert "no GPU here" in str(info.value)
 
 
@@ -346,7 +357,7 @@ def test_tensor_update_buckets_every_tensor_once_in_order(fake):
     sent = weights_stream(1)
     fake.state.flush_busy = 2  # the first flushes see requests still running
     try:
-        cfg = attach_config(fake.url, other.url, colocated=True, weight_sync="tensor", weight_bucket_bytes=BUCKET)
+        cfg = attach_config(fake.url, other.url, placement="colocated", weight_sync="tensor", weight_bucket_bytes=BUCKET)
         with SGLangEngine(cfg, expected_weight_names=NAMES, tensor_serializer=serialize_tensors) as engine:
             engine.load_weights((pair for pair in sent), version=3)  # a one-pass generator
             engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
@@ -373,7 +384,7 @@ def test_tensor_update_buckets_every_tensor_once_in_order(fake):
 def test_weight_update_session_only_from_0_5_21(version, session):
     server = FakeSGLangServer(version=version, api_key=KEY).start()
     try:
-        cfg = attach_config(server.url, colocated=True, weight_sync="tensor", weight_bucket_bytes=BUCKET)
+        cfg = attach_config(server.url, placement="colocated", weight_sync="tensor", weight_bucket_bytes=BUCKET)
         with SGLangEngine(cfg, expected_weight_names=NAMES, tensor_serializer=serialize_tensors) as engine:
             engine.load_weights(weights_stream(2))
         paths = control_paths(server)
@@ -384,7 +395,7 @@ def test_weight_update_session_only_from_0_5_21(version, session):
 
 
 def test_weight_names_are_checked_before_any_request(fake):
-    cfg = attach_config(fake.url, colocated=True, weight_sync="tensor", weight_bucket_bytes=BUCKET)
+    cfg = attach_config(fake.url, placement="colocated", weight_sync="tensor", weight_bucket_bytes=BUCKET)
     good = weights_stream(3)
     with SGLangEngine(cfg, expected_weight_names=NAMES, tensor_serializer=serialize_tensors) as engine:
         before = len(fake.state.requests)
@@ -487,7 +498,7 @@ def test_server_death_restart_and_retry(tmp_path):
         out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=4))
         assert [[c.token_ids for c in g] for g in out] == [[t for t, _, _ in expected(p, 2, 4, ())] for p in prompts]
         [status] = engine.server_status()
-        assert status["recoveries"] == 1 and not status["dead"] and die.read_text() == "0"
+        assert status["recoveries"] == 1 and status["restarts"] == 1 and not status["dead"] and die.read_text() == "0"
         log = Path(status["log_file"]).read_text()
         assert log.count("=== start") == 2 and "dying mid-request" in log
         assert engine._api_key not in log and "<redacted>" in log  # a per-run key, never written to the log
@@ -508,15 +519,17 @@ def test_second_death_is_a_clear_error(tmp_path):
         with pytest.raises(SGLangServerError) as info:
             engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
         message = str(info.value)
-        assert engine.urls[0] in message and log_file in message and "failed again after its one restart" in message
-        with pytest.raises(SGLangServerError, match="dead after its one restart"):
+        assert engine.urls[0] in message and log_file in message and "is dead: it failed again after" in message
+        [status] = engine.server_status()
+        assert status["dead"] and status["recoveries"] == 1 and status["restarts"] == 1
+        with pytest.raises(SGLangServerError, match="is dead: it failed again after its restarts"):
             engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
 
 
 def test_restarted_server_is_kept_out_until_weights_are_resent(tmp_path):
     die = tmp_path / "die"
     die.write_text("0")
-    cfg = launch_config(tmp_path, env={"FAKE_SGLANG_DIE_FILE": str(die)}, colocated=True, weight_sync="tensor",
+    cfg = launch_config(tmp_path, env={"FAKE_SGLANG_DIE_FILE": str(die)}, placement="colocated", weight_sync="tensor",
                         weight_bucket_bytes=BUCKET)
     with SGLangEngine(cfg, expected_weight_names=NAMES, tensor_serializer=serialize_tensors) as engine:
         engine.load_weights(weights_stream(8), version=1)
@@ -560,7 +573,7 @@ def test_attached_server_is_awaited_after_it_goes_away():
 
 
 def test_release_and_resume_memory(fake):
-    cfg = attach_config(fake.url, colocated=True, weight_sync="tensor", weight_bucket_bytes=BUCKET)
+    cfg = attach_config(fake.url, placement="colocated", weight_sync="tensor", weight_bucket_bytes=BUCKET)
     with SGLangEngine(cfg, expected_weight_names=NAMES, tensor_serializer=serialize_tensors) as engine:
         engine.release_memory()
         with pytest.raises(Exception, match=r"memory is released \(cuda_graph, kv_cache, weights\)"):

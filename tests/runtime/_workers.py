@@ -102,11 +102,11 @@ def _as_lists(batch) -> dict:
 def _rank_data(batch, rank: int, world: int):
     """Rank ``rank``'s micro-batches of ``batch`` and made-up statistics with S2T candidates in them."""
     from stapo_megatron.loss import TokenStats
-    from stapo_megatron.trainer.batch import make_microbatches, partition_for_rank
+    from stapo_megatron.trainer.batch import balance_over_ranks, make_microbatches
 
     lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
-    mine = partition_for_rank(len(batch), lengths, rank, world)
-    microbatches = make_microbatches(batch, mine, 2, torch.device("cpu"))
+    mine = balance_over_ranks(range(len(batch)), lengths, world)[rank]
+    microbatches = make_microbatches(batch, [mine[i : i + 2] for i in range(0, len(mine), 2)], torch.device("cpu"))
     generator = torch.Generator().manual_seed(100 + rank)
     stats = []
     for mb in microbatches:
@@ -221,7 +221,8 @@ def _check_inspector_gather(ctx, shared) -> dict:
         for mb, s in zip(rank_microbatches, rank_stats):
             selection = select_tokens(algo, s, threshold)
             silenced = (mb["response_mask"] > 0) & (selection.keep == 0) & selection.candidates.bool()
-            expected.extend(sorted(int(mb["sequence_index"][row]) for row, _ in silenced.nonzero().tolist()))
+            expected.extend(sorted(int(mb["sequence_index"][mb["segment_ids"][row, position]])
+                                   for row, position in silenced.nonzero().tolist()))
     dist.barrier(group=ctx.cpu_group)  # rank 0 has written the file
     owners = [sorted({int(i) for mb in rank_microbatches for i in mb["sequence_index"]}) for rank_microbatches, _ in shared["data"]]
     return {"got": sorted(e["sequence"] for e in read_dumps(run_dir)), "expected": sorted(expected), "owners": owners}

@@ -126,7 +126,8 @@ def test_a_rank_stuck_in_a_collective_is_ended_and_the_run_resumes_from_the_name
                                             "logging.tensorboard=false", *settings))
     try:
         deadline = time.monotonic() + 300
-        while len(metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []) < 3:
+        # complete lines only: the logger may be half-way through the next one
+        while ((run_dir / "metrics.jsonl").read_text().count("\n") if (run_dir / "metrics.jsonl").exists() else 0) < 3:
             assert launch.poll() is None and time.monotonic() < deadline, "the run did not reach step 3"
             time.sleep(0.2)
         ranks = _ranks_of(launch.pid)
@@ -143,13 +144,15 @@ def test_a_rank_stuck_in_a_collective_is_ended_and_the_run_resumes_from_the_name
         kill_tree(launch.pid)  # rank 1 (stopped) and torchrun
         launch.wait()
     message = next(line for line in output if "no progress for" in line)
-    assert 10 <= fired_after < 60, fired_after
-    assert "stapo: error: rank 0: no progress for" in message and "(run.hang_timeout_s=10)" in message
+    assert fired_after < 60, fired_after  # the last beat may precede the SIGSTOP by up to a phase
+    silent = int(message.split("no progress for ", 1)[1].split(" s ")[0])
+    assert message.startswith("stapo: error: rank 0: no progress for") and 10 <= silent < 20, message
+    assert "(run.hang_timeout_s=10)" in message
     assert "exiting with code 75, the run resumes from the checkpoint of step" in message
     named = int(message.rsplit("checkpoint of step ", 1)[1].split()[0])
     step = int(message.split("of step ", 1)[1].split(";")[0])
     assert named >= 2 and step in (named, named + 1), message
-    assert (run_dir / "checkpoints" / "latest.txt").read_text().strip() == f"iter_{named:07d}"
+    assert (run_dir / "checkpoints" / f"iter_{named:07d}").is_dir()
 
     resumed = run(train_command(run_dir, *settings))
     assert f"(step {named})" in resumed.stdout and "resumed from" in resumed.stdout

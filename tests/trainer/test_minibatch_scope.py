@@ -21,9 +21,9 @@ def silenced(run_dir) -> set[tuple[int, int, int]]:
 def test_silenced_tokens_do_not_depend_on_micro_batching_or_data_parallelism(trained_tiny, tmp_path):
     common = ["run.steps=1", f"checkpoint.load_megatron={trained_tiny}", "logging.inspect_every=1", "algo.tau_p=0.3"]
     one = tmp_path / "one_microbatch"
-    run(train_command(one, *common, "batch.micro_batch_size=1024"))
+    run(train_command(one, *common, "batch.max_tokens_per_microbatch=65536", "batch.max_tokens_per_forward=65536"))
     split = tmp_path / "dp2_two_microbatches_each"
-    run(train_command(split, *common, "parallel.tensor_parallel=1", "parallel.data_parallel=2", "batch.micro_batch_size=256"))
+    run(train_command(split, *common, "parallel.tensor_parallel=1", "parallel.data_parallel=2", "batch.max_tokens_per_microbatch=2051", "batch.max_tokens_per_forward=2051"))
     a, b = silenced(one), silenced(split)
     assert len(a) >= 3, "the check needs silenced tokens"
     assert a == b

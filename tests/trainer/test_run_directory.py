@@ -318,7 +318,7 @@ def test_a_checkpoint_write_on_a_full_disk_is_one_line_and_leaves_no_partial_che
     stage = types.SimpleNamespace(sharded_state_dict=lambda: {})
     optimizer = types.SimpleNamespace(sharded_state_dict=lambda *args, **kwargs: {})
     scheduler = types.SimpleNamespace(state_dict=lambda: {"num_steps": 3})
-    ctx = types.SimpleNamespace(tp_size=1, pp_size=1, dp_size=1, tp_rank=0, pp_rank=0, dp_rank=0)
+    ctx = types.SimpleNamespace(tp_size=1, pp_size=1, dp_size=1, tp_rank=0, pp_rank=0, dp_rank=0, cpu_group=None)
     checkpointer = Checkpointer(tmp_path, keep_last=2, ctx=ctx)
     _fake_checkpoint(checkpointer, 2)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -409,6 +409,30 @@ def test_a_learning_rate_changed_on_resume_takes_effect(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "optim.lr changed on resume: 0.001 in the checkpoint, 0.002 now (takes effect)" in out
     assert out.count("changed on resume") == 1
+
+
+def test_adam_settings_changed_on_resume_take_effect(tmp_path, capsys):
+    from stapo_megatron.trainer.trainer import build_scheduler
+
+    def optimizer(betas, eps):
+        group = {"params": [torch.nn.Parameter(torch.zeros(2))], "max_lr": 1e-3, "min_lr": 0.0}
+        return torch.optim.AdamW([group], lr=1e-3, betas=betas, eps=eps)
+
+    old_optimizer = optimizer((0.9, 0.999), 1e-8)
+    old = build_scheduler(old_optimizer, _config(tmp_path, "optim.beta1=0.9", "optim.beta2=0.999", "optim.eps=1e-8"))
+    old.step(3)
+    saved_optimizer, saved_scheduler = old_optimizer.state_dict(), old.state_dict()
+
+    new_cfg = _config(tmp_path, "optim.beta1=0.8", "optim.beta2=0.95", "optim.eps=1e-6")
+    resumed_optimizer = optimizer((0.8, 0.95), 1e-6)
+    resumed_optimizer.load_state_dict(saved_optimizer)  # the checkpoint's groups bring back the old values
+    assert resumed_optimizer.param_groups[0]["betas"] == (0.9, 0.999)
+    build_scheduler(resumed_optimizer, new_cfg).load_state_dict(saved_scheduler)
+    assert resumed_optimizer.param_groups[0]["betas"] == (0.8, 0.95)
+    assert resumed_optimizer.param_groups[0]["eps"] == 1e-6
+    out = capsys.readouterr().out
+    assert "optim.betas changed on resume: (0.9, 0.999) in the checkpoint, (0.8, 0.95) now (takes effect)" in out
+    assert "optim.eps changed on resume: 1e-08 in the checkpoint, 1e-06 now (takes effect)" in out
 
 
 # ---- end to end: real `stapo train` processes -------------------------------------------------
@@ -522,12 +546,36 @@ def test_a_bad_data_file_fails_before_torchrun(tmp_path):
         pytest.skip(f"the Qwen3 tokenizer is not at {QWEN3_TOKENIZER}")
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"problem": "1+1", "answer": "2"}\n{not json\n')
-    start = time.monotonic()
     result = _stapo_train(tmp_path / "run", f"data.source={data}", "data.bad_rows=error", f"tokenizer={QWEN3_TOKENIZER}")
-    seconds = time.monotonic() - start
     line = _error_line(result)
     assert f"{data}: row 2: malformed JSON" in line
-    # Before: the error came from rank 0 after torchrun and the model had started (~33 s here).
+    # Before: the error came from rank 0 after torchrun and the model had started (33 s, against
+    # 10.5 s now, on an idle 2-core machine), with a traceback per rank and torchrun's report.
     assert "torch.distributed" not in result.stderr and "elastic" not in result.stderr
-    assert seconds < 25, seconds
-    assert not (tmp_path / "run" / "config.yaml").exists()
+    assert not (tmp_path / "run").exists()  # nothing started: not even the run directory's lock
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_a_single_process_run_with_130(tmp_path):
+    import signal
+
+    from stapo_megatron.runtime.launch import kill_tree
+    from tests.trainer.runs import start_session, train_command
+
+    run_dir = tmp_path / "run"
+    # Long steps (64 responses per prompt): the second Ctrl-C comes well before the step ends.
+    process = start_session(train_command(run_dir, "run.steps=10000", "parallel.tensor_parallel=1", "batch.group_size=64"))
+    try:
+        _wait_for_rows(process, run_dir, 1)
+        process.send_signal(signal.SIGINT)
+        seen = []
+        while not seen or "Ctrl-C again" not in seen[-1]:  # the first one is taken: a stop request
+            seen.append(process.stdout.readline())
+            assert seen[-1], "".join(seen)[-3000:]
+        process.send_signal(signal.SIGINT)
+        output = "".join(seen) + process.communicate(timeout=120)[0]
+    finally:
+        kill_tree(process.pid)
+    assert process.returncode == 130, output[-3000:]
+    assert "stapo: interrupted" in output
+    assert not (run_dir / "STOP").exists() and not (run_dir / LOCK_FILE).exists()

@@ -19,7 +19,8 @@ STEP_METRICS = [
     "policy/clip_low_fraction", "policy/clip_high_fraction",
     "optim/grad_norm", "optim/lr",
     "mismatch/logprob_abs_mean", "mismatch/logprob_abs_max",
-    "time/rollout", "time/reward", "time/statistics", "time/update", "time/sync",
+    "time/rollout", "time/reward", "time/statistics", "time/update", "time/sync", "time/broadcast", "time/logging",
+    "time/step",
     "throughput/tokens_per_s",
 ]
 
@@ -39,6 +40,9 @@ def test_tiny_tp2_run_learns_and_logs_every_metric(tmp_path):
         assert not missing, f"step {row['step']} lacks {missing}"
         # The engine samples with exactly the weights the trainer scores with.
         assert row["mismatch/logprob_abs_max"] < 1e-4
+        # Every second of the step is in one of its phases; tokens/s is over the whole step.
+        phases = sum(v for k, v in row.items() if k.startswith("time/") and k != "time/step")
+        assert abs(phases - row["time/step"]) <= 0.02 * row["time/step"], row
     # From random weights the policy first learns the answer format: entropy falls, accuracy rises.
     assert mean([r["policy/entropy"] for r in rows[-5:]]) < mean([r["policy/entropy"] for r in rows[:5]]) - 0.3
     assert mean([r["reward/accuracy"] for r in rows[-5:]]) > mean([r["reward/accuracy"] for r in rows[:5]])
@@ -61,7 +65,7 @@ def test_tiny_tp2_run_learns_and_logs_every_metric(tmp_path):
 def test_tiny_pp2_run_trains_through_the_pipeline_schedule(tmp_path):
     run_dir = tmp_path / "pp2"
     run(train_command(run_dir, "run.steps=8", "parallel.tensor_parallel=1", "parallel.pipeline_parallel=2",
-                      "batch.micro_batch_size=128"))
+                      "batch.max_tokens_per_microbatch=2560"))
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 9))
     for row in rows:

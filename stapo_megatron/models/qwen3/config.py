@@ -135,6 +135,10 @@ class Qwen3Config:
             "torch_dtype": self.torch_dtype,
         }
 
+    def layers_per_stage(self, pipeline_parallel: int) -> tuple[int, ...]:
+        """Decoder layers of each pipeline stage: :func:`pipeline_split` of this model."""
+        return pipeline_split(self.num_hidden_layers, pipeline_parallel)
+
     def num_parameters(self) -> int:
         """Exact parameter count of the unpadded model (as Hugging Face counts it)."""
         h, v, f = self.hidden_size, self.vocab_size, self.intermediate_size
@@ -143,3 +147,46 @@ class Qwen3Config:
         per_layer = h * (q + 2 * kv) + q * h + 2 * self.head_dim + 3 * h * f + 2 * h
         embeddings = v * h * (1 if self.tie_word_embeddings else 2)
         return embeddings + self.num_hidden_layers * per_layer + h
+
+
+def pipeline_split(num_layers: int, stages: int) -> tuple[int, ...]:
+    """Decoder layers of each pipeline stage, for any number of stages up to ``num_layers``.
+
+    Megatron-Core builds uneven splits from two fields, the first and the last stage's layer
+    counts, and gives every middle stage the same count, so a split is (first, m, ..., m, last).
+    Of those, this one has the fewest layers on its largest stage; ties go to the larger middle
+    count (the first stage also embeds, the last one computes the output layer and the loss),
+    and the last stage never holds more than the first. 28 layers at 3 stages: (9, 10, 9);
+    3 at 2: (2, 1); an even split stays even.
+    """
+    if not 1 <= stages <= num_layers:
+        raise ConfigError(
+            f"parallel.pipeline_parallel: {stages} stages for {num_layers} layers (needs 1 to {num_layers})"
+        )
+    if stages == 1:
+        return (num_layers,)
+    if stages == 2:
+        return (num_layers - num_layers // 2, num_layers // 2)
+    best = None
+    middle_stages = stages - 2
+    for middle in range(1, (num_layers - 2) // middle_stages + 1):
+        ends = num_layers - middle_stages * middle
+        first, last = ends - ends // 2, ends // 2
+        key = (max(first, middle), -middle)
+        if best is None or key < best[0]:
+            best = (key, (first, *([middle] * middle_stages), last))
+    return best[1]
+
+
+def first_and_last_stage_layers(num_layers: int, stages: int) -> tuple[int | None, int | None]:
+    """Megatron's ``num_layers_in_first/last_pipeline_stage`` for :func:`pipeline_split`;
+    (None, None) when the split is even (Megatron's default)."""
+    split = pipeline_split(num_layers, stages)
+    if len(set(split)) == 1:
+        return None, None
+    return split[0], split[-1]
+
+
+def first_layer_of_stage(num_layers: int, stages: int, stage: int) -> int:
+    """Index of the first decoder layer of pipeline stage ``stage`` in the whole model."""
+    return sum(pipeline_split(num_layers, stages)[:stage])

@@ -11,7 +11,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from stapo_megatron.models.qwen3.config import Qwen3Config
+from stapo_megatron.models.qwen3.config import Qwen3Config, first_and_last_stage_layers, pipeline_split
 
 # Megatron pads the vocabulary to a multiple of this times the tensor-parallel size.
 VOCAB_DIVISIBLE_BY = 128
@@ -31,12 +31,45 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+class RMSNorm(torch.nn.RMSNorm):
+    """The local spec's RMSNorm (torch's), usable under sequence parallelism.
+
+    Megatron's ``WrappedTorchNorm`` refuses sequence parallelism because each tensor-parallel
+    rank then normalizes only its slice of the sequence, so the weight's gradient is a partial
+    sum: marking the weight ``sequence_parallel`` has ``finalize_model_grads`` sum it over the
+    TP group, as Transformer Engine's norms do. Built in fp32 whatever the model's dtype, like
+    the norm it replaces (the planner counts it so).
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
 def layer_spec():
     from megatron.core.models.gpt import gpt_layer_specs
 
     if transformer_engine_available():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    attention = spec.submodules.self_attention.submodules
+    attention.q_layernorm = attention.k_layernorm = RMSNorm
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm
+    return spec
+
+
+def block_spec(config, stage: int):
+    """The decoder of pipeline stage ``stage``: its layers and (local spec) its final norm.
+
+    Transformer Engine's layer spec gets Megatron's block (TENorm as final norm); the local
+    spec names its final norm here, since Megatron's default for it rejects sequence parallelism.
+    """
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    if transformer_engine_available():
+        return layer_spec()
+    layers = pipeline_split(config.num_layers, config.pipeline_model_parallel_size)[stage]
+    return TransformerBlockSubmodules(layer_specs=[layer_spec()] * layers, layer_norm=RMSNorm)
 
 
 def transformer_config(
@@ -57,6 +90,7 @@ def transformer_config(
     from megatron.core.transformer import TransformerConfig
 
     fused = transformer_engine_available()
+    first_stage_layers, last_stage_layers = first_and_last_stage_layers(arch.num_hidden_layers, pipeline_parallel)
     recompute_kwargs = {}
     if recompute == "full":
         recompute_kwargs = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -81,6 +115,9 @@ def transformer_config(
         init_method_std=init_method_std,
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
+        # uneven splits (models/qwen3/config.py::pipeline_split); None for an even one
+        num_layers_in_first_pipeline_stage=first_stage_layers,
+        num_layers_in_last_pipeline_stage=last_stage_layers,
         context_parallel_size=context_parallel,
         sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
@@ -112,11 +149,13 @@ def build_gpt_model(
 
     ``pg_collection``: Megatron's process groups to build with (default: the global parallel state).
     """
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
+    stage = pg_collection.pp.rank() if pg_collection is not None else ps.get_pipeline_model_parallel_rank()
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(),
+        transformer_layer_spec=block_spec(config, stage),
         vocab_size=padded_vocab_size(arch.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
@@ -128,4 +167,20 @@ def build_gpt_model(
         rotary_base=arch.rope_theta,
         vp_stage=vp_stage,
         pg_collection=pg_collection,
+    )
+
+
+def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int):
+    """Megatron's THD description of one packed row: sequences back to back, boundaries at
+    ``cu_seqlens`` (int32, on the model's device). Attention stays within each sequence and rotary
+    positions restart at each boundary: Transformer Engine's attention reads it natively; the local
+    spec (CPU) through :mod:`stapo_megatron.runtime.cpu_compat`."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=int(max_seqlen),
+        max_seqlen_kv=int(max_seqlen),
     )

@@ -1,4 +1,8 @@
-"""Qwen3 under tensor and pipeline parallelism: layout checks and this rank's model stage."""
+"""Qwen3 under tensor, sequence and pipeline parallelism: layout checks and this rank's model stage.
+
+Any layer count splits over any number of pipeline stages up to it
+(:func:`stapo_megatron.models.qwen3.config.pipeline_split`).
+"""
 
 from __future__ import annotations
 
@@ -26,11 +30,12 @@ def check_layout(arch: Qwen3Config, tensor_parallel: int, pipeline_parallel: int
             f"parallel.pipeline_parallel: {pipeline_parallel} stages is more than the "
             f"{arch.num_hidden_layers} layers"
         )
-    if arch.num_hidden_layers % pipeline_parallel:
-        raise ConfigError(
-            f"parallel.pipeline_parallel: {pipeline_parallel} does not divide the "
-            f"{arch.num_hidden_layers} layers evenly"
-        )
+
+
+def sequence_multiple(tensor_parallel: int, sequence_parallel: bool) -> int:
+    """What every micro-batch's sequence length must be a multiple of: under sequence
+    parallelism each tensor-parallel rank holds an equal slice of the sequence positions."""
+    return tensor_parallel if sequence_parallel else 1
 
 
 def build_stage(
@@ -39,10 +44,16 @@ def build_stage(
     params_dtype: torch.dtype = torch.float32,
     perform_initialization: bool = True,
     recompute: str = "none",
+    sequence_parallel: bool = False,
     calculate_per_token_loss: bool = False,
     device: torch.device | None = None,
 ):
-    """This rank's pipeline stage of Qwen3, after ``init_distributed``."""
+    """This rank's pipeline stage of Qwen3, after ``init_distributed``.
+
+    ``sequence_parallel``: Megatron's sequence parallelism (TP > 1); then the inputs' sequence
+    length must be a multiple of TP (:func:`sequence_multiple`). The logits come back whole
+    along the sequence ([b, s, V/TP]): the output layer gathers it before its matmul.
+    """
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
@@ -53,6 +64,7 @@ def build_stage(
         tensor_parallel=tp,
         pipeline_parallel=pp,
         context_parallel=ps.get_context_parallel_world_size(),
+        sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
         perform_initialization=perform_initialization,
         recompute=recompute,
