@@ -321,13 +321,32 @@ class RewardPool:
                 self._fail(f"reward worker failed to start: {message[1]}")
             worker.ready = True
             return 0
+        self._settle(worker, message, out)
+        return 1
+
+    def _settle(self, worker: _Worker, message, out) -> None:
         task, reason, seconds = message
         if task != worker.inflight[0]:  # pragma: no cover - protocol invariant
             self._fail(f"reward worker answered task {task}, expected {worker.inflight[0]}")
         worker.inflight.popleft()
         worker.head_started = time.monotonic()
         out[task] = (reason, seconds)
-        return 1
+
+    def _drain(self, worker: _Worker, out) -> int:
+        """Settle the results a dead worker sent before it died. A send that finds the worker gone
+        can come before those results were read; without this the crash would be charged to a
+        sample it had answered, and the sample it died on would be retried (and kill another)."""
+        settled = 0
+        while worker.ready and worker.inflight:
+            try:
+                if not worker.conn.poll(0):
+                    break
+                message = worker.conn.recv()
+            except (EOFError, OSError):
+                break
+            self._settle(worker, message, out)
+            settled += 1
+        return settled
 
     def _on_death(self, worker: _Worker, queue: collections.deque, out) -> int:
         """A worker's socket closed. Returns how many tasks that settles (its current one: error)."""
@@ -336,12 +355,12 @@ class RewardPool:
         code = worker.proc.wait()
         if not worker.ready:
             self._fail(f"reward worker exited during start-up with code {code} (its error is on stderr above)")
-        settled = 0
+        settled = self._drain(worker, out)
         if worker.inflight:
             # Its current sample crashed it (the OOM killer, a segfault): that sample is an error,
             # not retried, so one input cannot take down worker after worker.
             out[worker.inflight.popleft()] = ("error", time.monotonic() - worker.head_started)
-            settled = 1
+            settled += 1
         logger.warning("reward worker %d died with code %d: replaced", worker.proc.pid, code)
         self._replace(worker, queue)
         return settled

@@ -87,7 +87,6 @@ class ServerPool:
         self.api_key = api_key
         self.servers = [PooledServer(e) for e in endpoints]
         self.balancer = TokenBalancer(len(self.servers))
-        self.on_recovery: Callable[[PooledServer], None] = lambda server: None
         self._ctl = cf.ThreadPoolExecutor(max_workers=2 * len(self.servers) + 4, thread_name_prefix="sglang-control")
 
     def shutdown(self) -> None:
@@ -106,7 +105,7 @@ class ServerPool:
         resp = self.http(server, "GET", "/server_info")
         if resp.status == 404:  # servers older than the /server_info rename
             resp = self.http(server, "GET", "/get_server_info")
-        info = self.ok_json(server, "/server_info", resp)
+        info = control_reply(server.url, "/server_info", resp)
         if not isinstance(info, dict) or "version" not in info:
             raise SGLangResponseError(f"sglang server {server.url}/server_info carries no 'version'")
         server.version = parse_version(info["version"])
@@ -202,7 +201,6 @@ class ServerPool:
             server.recoveries += 1
             if weights_sent:
                 server.stale = True
-        self.on_recovery(server)
         logger.warning("sglang: server %s answers again (recovery %d)%s", server.url, server.recoveries,
                        "; it holds its launch weights until the next weight update" if weights_sent else "")
 
@@ -216,27 +214,8 @@ class ServerPool:
         except TransportError as err:
             raise SGLangServerError(f"sglang server {server.describe()}: {err}") from None
 
-    @staticmethod
-    def ok_json(server: PooledServer, path: str, resp: HttpResponse) -> Any:
-        if resp.status in (401, 403):
-            raise SGLangRequestError(
-                f"sglang server {server.url} rejected the API key on {path} (HTTP {resp.status})", status=resp.status
-            )
-        if resp.status != 200:
-            raise SGLangRequestError(
-                f"sglang server {server.url}{path} answered HTTP {resp.status}: {error_message(resp)}",
-                status=resp.status,
-            )
-        try:
-            data = resp.json()
-        except SGLangResponseError:
-            return None  # some control routes answer plain text
-        if isinstance(data, dict) and data.get("success") is False:
-            raise SGLangRequestError(f"sglang server {server.url}{path} refused: {data.get('message', data)}")
-        return data
-
     def control(self, server: PooledServer, path: str, body: Any = None, timeout: float | None = None) -> Any:
-        return self.ok_json(server, path, self.http(server, "POST", path, {} if body is None else body, timeout))
+        return control_reply(server.url, path, self.http(server, "POST", path, {} if body is None else body, timeout))
 
     def flush(self, server: PooledServer) -> None:
         """/flush_cache, retried while it answers 400 (requests still running or waiting)."""
@@ -245,7 +224,7 @@ class ServerPool:
         while True:
             resp = self.http(server, "POST", "/flush_cache")
             if resp.status != 400:
-                self.ok_json(server, "/flush_cache", resp)
+                control_reply(server.url, "/flush_cache", resp)
                 return
             if time.monotonic() + delay > deadline:
                 raise SGLangServerError(
@@ -263,6 +242,24 @@ class ServerPool:
         futures = [self._ctl.submit(fn, s, *args) for s in servers]
         cf.wait(futures)
         return [f.result() for f in futures]
+
+
+def control_reply(url: str, path: str, resp: HttpResponse) -> Any:
+    """A control route's answer: its JSON (None for plain text), or one line naming the server and the
+    route (rejected key, HTTP error, or ``success: false``)."""
+    if resp.status in (401, 403):
+        raise SGLangRequestError(f"sglang server {url} rejected the API key on {path} (HTTP {resp.status})",
+                                 status=resp.status)
+    if resp.status != 200:
+        raise SGLangRequestError(f"sglang server {url}{path} answered HTTP {resp.status}: {error_message(resp)}",
+                                 status=resp.status)
+    try:
+        data = resp.json()
+    except SGLangResponseError:
+        return None  # some control routes answer plain text
+    if isinstance(data, dict) and data.get("success") is False:
+        raise SGLangRequestError(f"sglang server {url}{path} refused: {data.get('message', data)}")
+    return data
 
 
 def _check_preferred_sampling(server: PooledServer, preferred: Any) -> None:

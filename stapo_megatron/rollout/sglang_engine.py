@@ -4,12 +4,10 @@ Where the servers come from is :mod:`~stapo_megatron.rollout.node_servers` (each
 restarts its own); what the controller knows about them, and its HTTP to them, is
 :mod:`~stapo_megatron.rollout.server_pool`; which server takes a request is
 :mod:`~stapo_megatron.rollout.balancer`. This module turns rollouts into batched ``/generate``
-requests spread over every usable server, and pushes new weights in bounded buckets through one of
-SGLang's three update paths:
-
-* ``tensor``: CUDA IPC handles via ``/update_weights_from_tensor`` (servers on the trainer's GPUs),
-* ``distributed``: a torch.distributed group the servers join, fed by broadcasts from the trainer,
-* ``disk``: a safetensors checkpoint read through ``/update_weights_from_disk``.
+requests spread over every usable server. New weights reach the servers through
+:mod:`~stapo_megatron.rollout.weight_sync` (CUDA IPC, broadcasts or a safetensors checkpoint): from
+every trainer rank (:meth:`SGLangEngine.weight_sync_plan`), or from this one process
+(:meth:`SGLangEngine.load_weights`, e.g. to evaluate a checkpoint).
 
 No ``/generate`` is served on a mix of weight versions: updates pause every server, a server that
 restarted holds its launch weights and is kept out until the next update reaches it, and every
@@ -22,8 +20,8 @@ server reports through ``/server_info`` decides the weight-update session (0.5.2
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import logging
-import secrets
 import shutil
 import tempfile
 import threading
@@ -49,20 +47,10 @@ from stapo_megatron.rollout.sglang_client import (
     TransportError,
     error_message,
     request,
-    split_url,
 )
 from stapo_megatron.rollout.sglang_server import connect_host
-from stapo_megatron.rollout.sglang_weights import (
-    NamedTensors,
-    TensorSerializer,
-    WeightNameCheck,
-    WeightUpdateGroup,
-    expected_names_from_hf_checkpoint,
-    iter_buckets,
-    local_address_towards,
-    sglang_tensor_serializer,
-    write_safetensors_checkpoint,
-)
+from stapo_megatron.rollout.sglang_weights import TensorSerializer, expected_names_from_hf_checkpoint
+from stapo_megatron.rollout.weight_sync import WeightSync, WeightSyncPlan, name_problems
 
 __all__ = [
     "NEUTRAL_SAMPLING",
@@ -125,23 +113,18 @@ class SGLangEngine(RolloutEngine):
         self.config = config
         self._expected = frozenset(expected_weight_names) if expected_weight_names is not None else None
         self._serializer = tensor_serializer
-        self._ipc_needs_gpu = tensor_serializer is None  # SGLang's serializer ships CUDA IPC handles
         self._sync_mode = config.resolved_weight_sync
         self._lock = threading.RLock()
         self._revive_lock = threading.Lock()  # one wait for down servers at a time
         self._closed = False
         self._owned: NodeServers | None = None
         self._pool: ServerPool | None = None
-        self._group: WeightUpdateGroup | None = None
-        self._group_valid = False
-        self._group_members: tuple[int, ...] = ()  # server indices the group was built for
+        self._sync: WeightSync | None = None  # load_weights' update, kept while its plan holds (groups reused)
         self._blocked: str | None = None  # why generate() must not run now
         self._released: set[str] = set()
         self._weights_loaded = False
         self._weight_version: str | None = None  # what every usable server holds, when versions were sent
-        self._disk_root: Path | None = None
-        self._own_disk_root = False
-        self._last_checkpoint: Path | None = None
+        self._disk_root: Path | None = None  # load_weights' disk sync directory when none is configured
         self._gen_pool: cf.ThreadPoolExecutor | None = None
         self._finalizer: weakref.finalize | None = None
         try:
@@ -153,7 +136,6 @@ class SGLangEngine(RolloutEngine):
                 ]
             self._api_key = api_key
             self._pool = ServerPool(config, endpoints, api_key)
-            self._pool.on_recovery = self._on_recovery
             self._gen_pool = cf.ThreadPoolExecutor(
                 max_workers=len(endpoints) * config.max_concurrent_requests_per_server,
                 thread_name_prefix="sglang-generate",
@@ -240,35 +222,46 @@ class SGLangEngine(RolloutEngine):
             return results  # type: ignore[return-value]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        """This process sends the whole model to every server: the single-process case of
+        :class:`~stapo_megatron.rollout.weight_sync.WeightSync` (one rank, every server its target).
+        ``version=None``: one more than the last version sent (0 at first)."""
         with self._lock:
             self._check_open()
-            if self._expected is None:
-                raise SGLangWeightSyncError(
-                    "load_weights needs expected_weight_names at construction "
-                    "(e.g. expected_names_from_hf_checkpoint(model_path))"
-                )
-            if not self._api_key:
-                raise SGLangWeightSyncError(
-                    f"refusing to update weights on {', '.join(self.urls)}: no API key is configured "
-                    f"(set sglang.api_key or ${self.config.api_key_env}), so the update routes would be open"
-                )
-            if "weights" in self._released:
-                raise SGLangWeightSyncError("weights are released on the servers; call resume_memory(['weights']) first")
-            check = WeightNameCheck(self._expected)
             if isinstance(named_tensors, Mapping):
                 named_tensors = list(named_tensors.items())
-            elif isinstance(named_tensors, (list, tuple)):
+            elif isinstance(named_tensors, tuple):
                 named_tensors = list(named_tensors)
-            if isinstance(named_tensors, list):
-                # A materialized stream can be checked whole before anything reaches a server.
-                check.check_all([item[0] if isinstance(item, tuple) else item for item in named_tensors])
-            # Every server that can come back must get these weights: a down one is waited for.
-            self._pool.run_all([s for s in self._servers if not (s.down or s.dead)], self._probe)
-            self._pool.revive(wait=True, weights_sent=self._weights_loaded)
-            servers = [s for s in self._servers if not s.dead]
-            if not servers:
-                self._pool.check_some_usable()
-            self._update_weights(servers, named_tensors, check, None if version is None else str(version))
+            names = None
+            if isinstance(named_tensors, list) and self._expected is not None:
+                # A materialized stream is checked whole before anything reaches a server.
+                names = [item[0] if isinstance(item, tuple) else item for item in named_tensors]
+                problems = name_problems(self._expected, names)
+                if problems:
+                    raise SGLangWeightSyncError(f"load_weights: the stream {problems}")
+            if version is None:
+                version = 0 if self._weight_version is None else int(self._weight_version) + 1
+            if self._disk_root is None and self._sync_mode == "disk" and not self.config.disk_sync_dir:
+                self._disk_root = Path(tempfile.mkdtemp(prefix="stapo-sglang-weights-"))
+            plan = self.weight_sync_plan(disk_dir=str(self._disk_root) if self._disk_root else None)
+            if self._sync is not None and self._sync.plan != plan:
+                self._sync.close()
+                self._sync = None
+            if self._sync is None:
+                self._sync = WeightSync(None, plan, serializer=self._serializer)
+            # SGLang's serializer ships CUDA IPC handles (CPU shared memory cannot reach the servers);
+            # broadcasts go through the group's device anyway, so pack there too.
+            on_gpu = self._sync_mode != "disk" and torch.cuda.is_available()
+            device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+            try:
+                self._sync.push(named_tensors, version, names=names, device=device)
+            except BaseException:
+                if self._sync.paused:
+                    self._blocked = (
+                        "the last load_weights did not finish, so the servers may hold a mix of old and new "
+                        "weights; call load_weights again before generating"
+                    )
+                raise
+            self.weights_synced(version)
 
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Free server GPU memory (``tags`` from kv_cache, weights, cuda_graph; None = all)."""
@@ -299,11 +292,8 @@ class SGLangEngine(RolloutEngine):
         if self._closed:
             return
         self._closed = True
-        if self._pool is not None:
-            try:
-                self._teardown_group(notify=self._owned is None)
-            except Exception as err:  # noqa: BLE001 - shutdown must go on
-                logger.warning("sglang: tearing down the weight-update group failed: %s", err)
+        if self._sync is not None:
+            self._sync.close()  # leaves the servers' weight-update groups while they still run
         if self._gen_pool is not None:
             self._gen_pool.shutdown(wait=False, cancel_futures=True)
         if self._owned is not None:
@@ -312,16 +302,13 @@ class SGLangEngine(RolloutEngine):
             self._finalizer.detach()
         if self._pool is not None:
             self._pool.shutdown()
-        if self._own_disk_root and self._disk_root is not None:
+        if self._disk_root is not None:
             shutil.rmtree(self._disk_root, ignore_errors=True)
 
     # ------------------------------------------------------------------ server state
 
     def _live(self) -> list[PooledServer]:
         return [s for s in self._servers if not (s.down or s.dead)]
-
-    def _on_recovery(self, server: PooledServer) -> None:
-        self._group_valid = False  # a fresh process is not a member of the weight-update group
 
     def _probe(self, server: PooledServer) -> None:
         """Before a weight update: a server that died since the last call is taken down (and waited for)."""
@@ -468,29 +455,47 @@ class SGLangEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights
 
-    def weight_sync_plan(self):
+    def weight_sync_plan(self, disk_dir: str | None = None) -> WeightSyncPlan:
         """What every trainer rank needs to push its own share of the weights to these servers
-        (:class:`~stapo_megatron.rollout.weight_sync.WeightSync`; the controller broadcasts it)."""
-        from stapo_megatron.rollout.weight_sync import WeightSyncPlan
-
+        (:class:`~stapo_megatron.rollout.weight_sync.WeightSync`; the controller broadcasts it).
+        ``disk_dir`` overrides ``disk_sync_dir`` (load_weights' own directory)."""
         with self._lock:
             self._check_open()
-            if self._expected is None or not self._api_key:
-                raise SGLangWeightSyncError("a weight sync needs expected_weight_names and an API key on the engine")
+            if self._expected is None:
+                raise SGLangWeightSyncError(
+                    "a weight update needs expected_weight_names at construction "
+                    "(e.g. expected_names_from_hf_checkpoint(model_path))"
+                )
+            if not self._api_key:
+                raise SGLangWeightSyncError(
+                    f"refusing to update weights on {', '.join(self.urls)}: no API key is configured "
+                    f"(set sglang.api_key or ${self.config.api_key_env}), so the update routes would be open"
+                )
             if "weights" in self._released:
                 raise SGLangWeightSyncError("weights are released on the servers; call resume_memory(['weights']) first")
-            # As for load_weights: every server that can come back gets the weights; a down one is waited for.
+            # Every server that can come back gets the weights: a down one is waited for.
             self._pool.run_all([s for s in self._servers if not (s.down or s.dead)], self._probe)
             self._pool.revive(wait=True, weights_sent=self._weights_loaded)
             servers = [s for s in self._servers if not s.dead]
+            if not servers:
+                self._pool.check_some_usable()
+            for server in servers:
+                if self._sync_mode == "distributed" and server.dp_size != 1:
+                    raise SGLangWeightSyncError(
+                        f"sglang server {server.url} runs dp_size {server.dp_size}; distributed weight sync needs "
+                        "dp_size 1 (run several servers instead)"
+                    )
             cfg = self.config
+            # tp_size as the server reports it (attached servers: the config may not know it).
+            endpoints = tuple(dataclasses.replace(s.endpoint, tp_size=s.tp_size) for s in servers)
             return WeightSyncPlan(
-                mode=self._sync_mode, endpoints=tuple(s.endpoint for s in servers), expected_names=self._expected,
+                mode=self._sync_mode, endpoints=endpoints, expected_names=self._expected,
                 api_key=self._api_key, session_servers=frozenset(s.index for s in servers if s.version >= SESSION_VERSION),
                 bucket_bytes=cfg.weight_bucket_bytes, control_timeout_s=cfg.control_timeout_s,
                 transfer_timeout_s=cfg.weight_sync_timeout_s, flush_timeout_s=cfg.flush_timeout_s,
                 group_backend=cfg.weight_sync_backend, master_address=cfg.weight_sync_master_address,
-                disk_dir=cfg.disk_sync_dir, config_from=cfg.model_path,
+                disk_dir=disk_dir or cfg.disk_sync_dir, config_from=cfg.model_path,
+                server_restarts=sum(s.recoveries for s in self._servers),
             )
 
     def weights_synced(self, version: int) -> None:
@@ -502,219 +507,6 @@ class SGLangEngine(RolloutEngine):
             for server in self._servers:
                 if not server.dead:
                     server.stale = False
-
-    def _update_weights(self, servers: list[PooledServer], named_tensors: Iterable[tuple[str, torch.Tensor]],
-                        check: WeightNameCheck, weight_version: str | None) -> None:
-        mode = self._sync_mode
-        previous_block = self._blocked
-        self._blocked = (
-            "the last load_weights did not finish, so the servers may hold a mix of old and new weights; "
-            "call load_weights again before generating"
-        )
-        state = {"paused": False, "session": [], "sent": False}
-        try:
-            self._pool.run_all(servers, self._pool.control, "/pause_generation", {"mode": "abort"})
-            state["paused"] = True
-            self._pool.run_all(servers, self._pool.flush)
-            buckets = iter_buckets(named_tensors, self.config.weight_bucket_bytes, check)
-            if mode == "disk":
-                self._update_from_disk(servers, buckets, check, weight_version, state)
-            else:
-                if mode == "distributed":
-                    self._ensure_group(servers)
-                session = [s for s in servers if s.version >= SESSION_VERSION]
-                state["session"] = session  # set first: a begin that fails on one server still gets ended on the rest
-                self._pool.run_all(session, self._pool.control, "/begin_weight_update", {})
-                for bucket in buckets:
-                    state["sent"] = True
-                    if mode == "tensor":
-                        self._send_bucket_tensor(servers, bucket, weight_version)
-                    else:
-                        self._send_bucket_distributed(servers, bucket, weight_version)
-                check.finish()
-                state["session"] = []
-                self._pool.run_all(session, self._pool.control, "/end_weight_update", {})
-            self._pool.run_all(servers, self._pool.flush)
-            state["paused"] = False
-            self._pool.run_all(servers, self._pool.control, "/continue_generation", {})
-        except BaseException:
-            self._abandon_update(servers, mode, state)
-            if not state["sent"]:
-                self._blocked = previous_block  # nothing reached the servers: their weights are unchanged
-            raise
-        self._blocked = None
-        self._weights_loaded = True
-        self._weight_version = weight_version
-        for server in servers:
-            server.stale = False
-
-    def _abandon_update(self, servers: list[PooledServer], mode: str, state: dict) -> None:
-        """Best effort after a failed update: close the session, resume generation, drop a broken group."""
-        if mode == "distributed" and state["sent"]:
-            self._group_valid = False
-        for path, targets in (("/end_weight_update", state["session"]),
-                              ("/continue_generation", servers if state["paused"] else [])):
-            for server in targets:
-                if server.dead:
-                    continue
-                try:
-                    self._pool.control(server, path, {}, timeout=30.0)
-                except SGLangError as err:
-                    logger.warning("sglang: %s on %s after a failed update: %s", path, server.url, err)
-
-    def _send_bucket_tensor(self, servers: list[PooledServer], bucket: NamedTensors, weight_version: str | None) -> None:
-        if self._serializer is None:
-            self._serializer = sglang_tensor_serializer()
-        if self._ipc_needs_gpu:
-            # CUDA IPC only: CPU shared-memory handles cannot cross into an unrelated server process.
-            bucket = [(name, _on_gpu(t)) for name, t in bucket]
-        if any(t.is_cuda for _, t in bucket):
-            # The servers read through IPC on their own streams: kernels still writing these tensors must finish.
-            torch.cuda.synchronize()
-        payload = self._serializer(bucket)
-
-        def send(server: PooledServer) -> None:
-            body: dict[str, Any] = {
-                # One entry per server TP rank (rank i reads entry i); all ranks read the same full tensors.
-                "serialized_named_tensors": [payload] * server.tp_size,
-                "flush_cache": False,
-            }
-            if weight_version is not None:
-                body["weight_version"] = weight_version
-            self._pool.control(server, "/update_weights_from_tensor", body)
-
-        # `bucket` stays referenced until every server answered: the IPC handles point into its memory.
-        self._pool.run_all(servers, send)
-        del bucket
-
-    def _send_bucket_distributed(self, servers: list[PooledServer], bucket: NamedTensors,
-                                 weight_version: str | None) -> None:
-        group = self._group
-        assert group is not None
-        tensors = [group.prepare(t) for _, t in bucket]
-        body: dict[str, Any] = {
-            "names": [name for name, _ in bucket],
-            "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
-            "shapes": [list(t.shape) for t in tensors],
-            "group_name": group.name,
-            "flush_cache": False,
-        }
-        if weight_version is not None:
-            body["weight_version"] = weight_version
-        timeout = self.config.weight_sync_timeout_s
-        futures = [self._pool.submit(self._pool.control, s, "/update_weights_from_distributed", body, timeout)
-                   for s in servers]
-        # Servers post one receive per name, in order, on their side of the group; match that order.
-        works = group.broadcast(tensors)
-        self._await(futures, works, timeout, f"weight bucket of {len(tensors)} tensors ({tensors[0].dtype}, ...)")
-
-    def _ensure_group(self, servers: list[PooledServer]) -> None:
-        members = tuple(s.index for s in servers)
-        if self._group is not None and self._group_valid and self._group_members == members:
-            return
-        self._teardown_group(notify=True)
-        for server in servers:
-            if server.dp_size != 1:
-                raise SGLangWeightSyncError(
-                    f"sglang server {server.url} runs dp_size {server.dp_size}; distributed weight sync needs "
-                    "dp_size 1 (run several servers instead)"
-                )
-        cfg = self.config
-        world_size = 1 + sum(s.tp_size for s in servers)
-        address = cfg.weight_sync_master_address or local_address_towards(split_url(servers[0].url)[1])
-        group = WeightUpdateGroup(
-            master_address=address,
-            port=cfg.weight_sync_port,
-            world_size=world_size,
-            backend=cfg.weight_sync_backend,
-            timeout_s=cfg.weight_sync_timeout_s,
-            name=f"stapo-weights-{secrets.token_hex(6)}",
-        )
-        futures, offset = [], 1
-        for server in servers:
-            body = {
-                "master_address": address,
-                "master_port": group.port,
-                "rank_offset": offset,  # server TP rank r joins as rank_offset + r; the trainer is rank 0
-                "world_size": world_size,
-                "group_name": group.name,
-                "backend": cfg.weight_sync_backend,
-            }
-            offset += server.tp_size
-            futures.append(self._pool.submit(self._pool.control, server, "/init_weights_update_group", body,
-                                             cfg.weight_sync_timeout_s))
-        # The init calls block until every rank joined, so rank 0 joins while they are in flight.
-        futures.append(self._pool.submit(group.join))
-        try:
-            self._await(futures, [], cfg.weight_sync_timeout_s, f"joining weight-update group {group.name}")
-        except BaseException:
-            group.destroy()
-            raise
-        self._group, self._group_valid, self._group_members = group, True, members
-        logger.info("sglang: weight-update group %s ready (%s, world size %d, store %s:%d)", group.name,
-                    cfg.weight_sync_backend, world_size, address, group.port)
-
-    def _teardown_group(self, notify: bool) -> None:
-        group, self._group, self._group_valid = self._group, None, False
-        if group is None:
-            return
-        if notify:
-            for server in self._servers:
-                if server.dead:
-                    continue
-                try:
-                    self._pool.control(server, "/destroy_weights_update_group", {"group_name": group.name}, timeout=30.0)
-                except SGLangError as err:
-                    logger.warning("sglang: destroy_weights_update_group on %s: %s", server.url, err)
-        group.destroy()
-
-    def _update_from_disk(self, servers: list[PooledServer], buckets: Iterable[NamedTensors], check: WeightNameCheck,
-                          weight_version: str | None, state: dict) -> None:
-        if self._disk_root is None:
-            if self.config.disk_sync_dir:
-                self._disk_root = Path(self.config.disk_sync_dir)
-            else:
-                self._disk_root = Path(tempfile.mkdtemp(prefix="stapo-sglang-weights-"))
-                self._own_disk_root = True
-        tag = f"weights-{weight_version if weight_version is not None else 'x'}-{secrets.token_hex(4)}"
-        path = write_safetensors_checkpoint(
-            buckets, self._disk_root, tag, config_from=self.config.model_path or None
-        )
-        try:
-            check.finish()  # the whole stream is on disk: a missing name stops us before any server reads it
-        except BaseException:
-            shutil.rmtree(path, ignore_errors=True)
-            raise
-        body: dict[str, Any] = {"model_path": str(path), "flush_cache": False}
-        if weight_version is not None:
-            body["weight_version"] = weight_version
-        state["sent"] = True
-        self._pool.run_all(servers, self._pool.control, "/update_weights_from_disk", body)
-        previous, self._last_checkpoint = self._last_checkpoint, path
-        if previous is not None and previous != path:
-            shutil.rmtree(previous, ignore_errors=True)
-
-    @staticmethod
-    def _await(futures: Sequence[cf.Future], works: Sequence[Any], timeout_s: float, what: str) -> None:
-        """Wait for HTTP futures and collective works together; fail fast when any reply is an error.
-
-        A server that refuses a bucket never posts its receives, so waiting on the broadcasts alone
-        would hang until the collective timeout.
-        """
-        deadline = time.monotonic() + timeout_s
-        delay = 0.0005
-        while True:
-            for future in futures:
-                if future.done() and future.exception() is not None:
-                    raise future.exception()
-            if all(f.done() for f in futures) and all(w.is_completed() for w in works):
-                break
-            if time.monotonic() > deadline:
-                raise SGLangWeightSyncError(f"{what} did not finish within {timeout_s:g}s")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.02)
-        for work in works:
-            work.wait()
 
     # ------------------------------------------------------------------ memory
 
@@ -728,12 +520,6 @@ class SGLangEngine(RolloutEngine):
         if unknown or not tags:
             raise ValueError(f"memory tags must be a non-empty subset of {MEMORY_TAGS}, got {list(tags)}")
         return list(tags)
-
-
-def _on_gpu(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.is_cuda or not torch.cuda.is_available():
-        return tensor
-    return tensor.to(torch.device("cuda", torch.cuda.current_device()))
 
 
 def _parse_generate(data: Any, num_prompts: int, n: int, url: str,

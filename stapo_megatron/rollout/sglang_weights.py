@@ -1,5 +1,5 @@
-"""Pieces of SGLang weight sync that do not talk HTTP: name checks, buckets, serialization, the
-trainer's end of the weight-update process group, and safetensors checkpoints for disk sync."""
+"""Pieces of SGLang weight sync that do not talk HTTP: expected names, serialization, the trainer's
+end of a weight-update process group, and safetensors checkpoints for disk sync."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import shutil
 import socket
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -21,78 +21,10 @@ TensorSerializer = Callable[[NamedTensors], str]
 _SHOW = 5  # names listed in an error message
 
 
-def tensor_nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 def preview_names(names: Iterable[str]) -> str:
     names = sorted(names)
     more = f" (+{len(names) - _SHOW} more)" if len(names) > _SHOW else ""
     return ", ".join(names[:_SHOW]) + more
-
-
-class WeightNameCheck:
-    """Every streamed name must be expected and arrive once, and every expected name must arrive.
-
-    SGLang's ``load_weights`` only logs a warning for a name it does not know, so a typo would leave
-    the old tensor in place while training goes on: this check turns that into an error.
-    """
-
-    def __init__(self, expected: frozenset[str]):
-        self.expected = expected
-        self.seen: set[str] = set()
-
-    def add(self, name: str) -> None:
-        if not isinstance(name, str):
-            raise SGLangWeightSyncError(f"weight names must be strings, got {type(name).__name__} {name!r}")
-        if name not in self.expected:
-            raise SGLangWeightSyncError(
-                f"weight '{name}' is not among the {len(self.expected)} expected Hugging Face names "
-                "(SGLang would silently ignore it and keep the old tensor)"
-            )
-        if name in self.seen:
-            raise SGLangWeightSyncError(f"weight '{name}' appears twice in one update")
-        self.seen.add(name)
-
-    def finish(self) -> None:
-        missing = self.expected - self.seen
-        if missing:
-            raise SGLangWeightSyncError(
-                f"weight update lacks {len(missing)} of {len(self.expected)} expected tensors: {preview_names(missing)}"
-            )
-
-    def check_all(self, names: Sequence[str]) -> None:
-        """Check a complete list of names without consuming it (used before any request is sent)."""
-        probe = WeightNameCheck(self.expected)
-        for name in names:
-            probe.add(name)
-        probe.finish()
-
-
-def iter_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, check: WeightNameCheck
-) -> Iterator[NamedTensors]:
-    """Group the stream, in order, into buckets of at most ``bucket_bytes``; a bigger tensor goes alone.
-
-    Names are checked as they arrive, so an unexpected name is caught before its bucket is sent.
-    """
-    bucket: NamedTensors = []
-    size = 0
-    for item in named_tensors:
-        if not (isinstance(item, tuple) and len(item) == 2):
-            raise SGLangWeightSyncError(f"weight stream items must be (name, tensor) pairs, got {type(item).__name__}")
-        name, tensor = item
-        check.add(name)
-        if not isinstance(tensor, torch.Tensor):
-            raise SGLangWeightSyncError(f"weight '{name}' is a {type(tensor).__name__}, not a torch.Tensor")
-        nbytes = tensor_nbytes(tensor)
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def expected_names_from_hf_checkpoint(model_path: str | os.PathLike) -> frozenset[str]:
@@ -257,25 +189,3 @@ def publish_checkpoint(staging: Path, weight_map: dict[str, str], total_bytes: i
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
     return final
-
-
-def write_safetensors_checkpoint(
-    buckets: Iterable[NamedTensors], root: Path, tag: str, *, config_from: str | None
-) -> Path:
-    """Write the stream as ``root/<tag>/model-NNNNN.safetensors`` + index, appearing atomically."""
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{tag}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        weight_map: dict[str, str] = {}
-        total = 0
-        for i, bucket in enumerate(buckets):
-            fname = f"model-{i + 1:05d}.safetensors"
-            write_bucket_file(tmp / fname, bucket)
-            weight_map.update({name: fname for name, _ in bucket})
-            total += sum(tensor_nbytes(t) for _, t in bucket)
-        return publish_checkpoint(tmp, weight_map, total, config_from=config_from)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

@@ -11,6 +11,10 @@ to the servers it is routed to, bucket k+1 being prepared while bucket k is in f
 * ``disk``: each rank writes its buckets as safetensors files into one shared directory; the
   controller writes the index and calls ``/update_weights_from_disk`` on every server.
 
+A single process holding the whole model (an engine's ``load_weights``, e.g. evaluating a
+checkpoint) is the same update with one rank: :meth:`WeightSync.push` packs its stream of
+(name, tensor) pairs into the same flat buckets and sends them to every server.
+
 The controller (global rank 0) pauses generation and opens the servers' update sessions before any
 rank sends, and afterwards checks, per server, that every expected tensor arrived exactly once (the
 per-rank tallies gathered over ``ctx.cpu_group``). Only then does it stamp the new weight version on
@@ -37,7 +41,9 @@ import torch.distributed as dist
 
 from stapo_megatron.checkpoint.export import (
     DEFAULT_BUCKET_BYTES,
+    BucketLayout,
     FlatBucket,
+    TensorSlot,
     iter_rank_buckets,
     pipelined,
     plan_buckets,
@@ -46,13 +52,13 @@ from stapo_megatron.checkpoint.export import (
 )
 from stapo_megatron.config import ConfigError
 from stapo_megatron.rollout.endpoints import ServerEndpoint
+from stapo_megatron.rollout.server_pool import control_reply
 from stapo_megatron.rollout.sglang_client import (
     SGLangError,
     SGLangRequestError,
     SGLangServerError,
     SGLangWeightSyncError,
     TransportError,
-    error_message,
     request,
     split_url,
 )
@@ -89,6 +95,7 @@ class WeightSyncPlan:
     master_address: str = ""  # distributed: this node's address as servers see it; "" = the route to the server
     disk_dir: str = ""  # disk: a directory every node and server can read
     config_from: str = ""  # disk: the HF directory whose *.json files go next to the weights
+    server_restarts: int = 0  # a restarted server left its weight-update groups: a new count means new groups
 
     def __post_init__(self):
         if self.mode not in SYNC_MODES:
@@ -128,25 +135,34 @@ class UpdateSession:
         self.received.setdefault(server, []).extend(names)
 
 
+def name_problems(expected: frozenset[str], names: Iterable[str]) -> str:
+    """What is wrong with one server's update: missing, repeated or unexpected names ("" = nothing).
+
+    SGLang only logs a warning for a name it does not know, so a typo would leave the old tensor in
+    place while training goes on: every name must be expected and arrive once, and all must arrive.
+    """
+    counts: dict[str, int] = {}
+    for name in names:
+        counts[name] = counts.get(name, 0) + 1
+    unknown = set(counts) - expected
+    missing = expected - set(counts)
+    twice = {name for name, count in counts.items() if count > 1}
+    problems = []
+    if missing:
+        problems.append(f"lacks {len(missing)} of {len(expected)} tensors: {preview_names(missing)}")
+    if twice:
+        problems.append(f"got {len(twice)} tensors more than once: {preview_names(twice)}")
+    if unknown:
+        problems.append(f"got {len(unknown)} unexpected tensors (SGLang ignores them): {preview_names(unknown)}")
+    return "; ".join(problems)
+
+
 def check_tallies(expected: frozenset[str], tallies: Sequence[dict[int, list[str]]], servers: Sequence[ServerEndpoint]) -> None:
     """Every server received every expected name exactly once (over all ranks), nothing else: or one line."""
     for server in servers:
-        counts: dict[str, int] = {}
-        for tally in tallies:
-            for name in tally.get(server.index, ()):
-                counts[name] = counts.get(name, 0) + 1
-        unknown = set(counts) - expected
-        missing = expected - set(counts)
-        twice = {name for name, count in counts.items() if count > 1}
-        problems = []
-        if missing:
-            problems.append(f"lacks {len(missing)} of {len(expected)} tensors: {preview_names(missing)}")
-        if twice:
-            problems.append(f"got {len(twice)} tensors more than once: {preview_names(twice)}")
-        if unknown:
-            problems.append(f"got {len(unknown)} unexpected tensors (SGLang ignores them): {preview_names(unknown)}")
+        problems = name_problems(expected, (name for tally in tallies for name in tally.get(server.index, ())))
         if problems:
-            raise SGLangWeightSyncError(f"weight sync to {server.url} " + "; ".join(problems))
+            raise SGLangWeightSyncError(f"weight sync to {server.url} " + problems)
 
 
 def node_of(rank: int, ranks_per_node: int) -> int:
@@ -200,19 +216,7 @@ class ServerControl:
                            timeout=timeout or self.plan.control_timeout_s)
         except TransportError as err:
             raise SGLangServerError(f"sglang server {server.url}: {err}") from None
-        if resp.status in (401, 403):
-            raise SGLangRequestError(f"sglang server {server.url} rejected the API key on {path} (HTTP {resp.status})",
-                                     status=resp.status)
-        if resp.status != 200:
-            raise SGLangRequestError(f"sglang server {server.url}{path} answered HTTP {resp.status}: {error_message(resp)}",
-                                     status=resp.status)
-        try:
-            data = resp.json()
-        except SGLangError:
-            return None  # some control routes answer plain text
-        if isinstance(data, dict) and data.get("success") is False:
-            raise SGLangRequestError(f"sglang server {server.url}{path} refused: {data.get('message', data)}")
-        return data
+        return control_reply(server.url, path, resp)
 
     def flush(self, server: ServerEndpoint) -> None:
         """/flush_cache, retried while it answers 400 (requests still running)."""
@@ -364,6 +368,43 @@ class DiskSender:
         pass
 
 
+# ---- one process's stream -------------------------------------------------------------------------
+
+
+def pack_stream(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                device: torch.device) -> Iterator[FlatBucket]:
+    """A stream of (Hugging Face name, full tensor) pairs, in order, as flat buckets on ``device`` of at
+    most ``bucket_bytes`` (a bigger tensor goes alone), each built as the stream reaches it."""
+    pending: list[tuple[str, torch.Tensor]] = []
+    filled = index = 0
+
+    def pack() -> FlatBucket:
+        slots, offsets = [], {}
+        for name, tensor in pending:
+            slot = TensorSlot(name, tensor.dtype, tuple(tensor.shape), offsets.get(tensor.dtype, 0))
+            offsets[tensor.dtype] = slot.offset + slot.numel
+            slots.append(slot)
+        bucket = FlatBucket.allocate(BucketLayout(index, tuple(slots)), device)
+        for slot, (_, tensor) in zip(slots, pending):
+            bucket.view(slot).copy_(tensor)
+        return bucket
+
+    for item in named_tensors:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise SGLangWeightSyncError(f"weight stream items must be (name, tensor) pairs, got {item!r:.80}")
+        name, tensor = item
+        if not isinstance(tensor, torch.Tensor):
+            raise SGLangWeightSyncError(f"weight '{name}' is a {type(tensor).__name__}, not a torch.Tensor")
+        nbytes = tensor.numel() * tensor.element_size()
+        if pending and filled + nbytes > bucket_bytes:
+            yield pack()
+            pending, filled, index = [], 0, index + 1
+        pending.append((name, tensor))
+        filled += nbytes
+    if pending:
+        yield pack()
+
+
 # ---- the collective -------------------------------------------------------------------------------
 
 
@@ -371,34 +412,53 @@ class WeightSync:
     """One trainer's weight sync to a fixed set of servers; :meth:`sync` is collective on every rank.
 
     ``ranks_per_node``: trainer ranks per node (torchrun's LOCAL_WORLD_SIZE by default), which places
-    each rank next to the servers of its node.
+    each rank next to the servers of its node. ``ctx=None``: this one process is the controller and
+    holds the whole model; it sends to every server (:meth:`push`).
     """
 
     def __init__(self, ctx, plan: WeightSyncPlan, *, ranks_per_node: int | None = None,
                  serializer: TensorSerializer | None = None):
         self.ctx = ctx
         self.plan = plan
-        per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
-        me = RankPlace(ctx.rank, node_of(ctx.rank, per_node), ctx.dp_rank, ctx.cp_rank)
-        places: list[RankPlace | None] = [None] * ctx.world_size
-        dist.all_gather_object(places, me, group=ctx.cpu_group)
-        self.targets = route(plan, places, me)
+        self.rank = CONTROLLER if ctx is None else ctx.rank
+        if ctx is None:
+            self.targets = list(plan.endpoints)
+        else:
+            per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+            me = RankPlace(ctx.rank, node_of(ctx.rank, per_node), ctx.dp_rank, ctx.cp_rank)
+            places: list[RankPlace | None] = [None] * ctx.world_size
+            dist.all_gather_object(places, me, group=ctx.cpu_group)
+            self.targets = route(plan, places, me)
         self._pool = cf.ThreadPoolExecutor(max_workers=2 * len(plan.endpoints) + 2, thread_name_prefix="stapo-weight-sync")
         self.control = ServerControl(plan, self._pool)
         if plan.mode == "tensor":
             self.sender: TensorSender | DistributedSender | DiskSender = TensorSender(self.control, serializer)
         elif plan.mode == "distributed":
-            self.sender = DistributedSender(self.control, ctx.rank)
+            self.sender = DistributedSender(self.control, self.rank)
         else:
-            self.sender = DiskSender(ctx.rank)
+            self.sender = DiskSender(self.rank)
+        self.paused = False  # controller: generation was paused by an update that has not succeeded yet
         self._previous_disk: Path | None = None
 
     def sync(self, model: torch.nn.Module, arch, version: int) -> None:
         """Collective: push this rank's share to its servers; the controller checks and resumes them."""
-        ctx, plan = self.ctx, self.plan
+        ctx = self.ctx
+        names = rank_export_names(model, arch, ctx.tp_size, ctx.tp_rank)
+        self._update(names, lambda: iter_rank_buckets(model, arch, ctx, bucket_bytes=self.plan.bucket_bytes), version)
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
+             names: Sequence[str] | None = None, device: torch.device = torch.device("cpu")) -> None:
+        """One process (``ctx=None``): the whole model as a stream of (HF name, full tensor) pairs, packed
+        into buckets on ``device``, to every server. ``names``, when the stream's names are known up
+        front, are checked before any server is touched; otherwise they are checked as they arrived."""
+        assert self.ctx is None, "push is the single-process update; trainer ranks call sync"
+        self._update(names, lambda: pack_stream(named_tensors, self.plan.bucket_bytes, device), version)
+
+    def _update(self, names: Sequence[str] | None, buckets: Callable[[], Iterable[FlatBucket]], version: int) -> None:
+        plan = self.plan
         session = UpdateSession(version, plan.expected_names)
         # 1. Before any request: the names each rank will send, checked per server on the controller.
-        planned = {s.index: rank_export_names(model, arch, ctx.tp_size, ctx.tp_rank) for s in self.targets}
+        planned = None if names is None else {s.index: list(names) for s in self.targets}
         go = self._collect(planned, lambda tallies: self._prepare(tallies, version))
         if isinstance(go, Refusal):
             raise SGLangWeightSyncError(go.message)
@@ -410,10 +470,9 @@ class WeightSync:
             if isinstance(self.sender, DiskSender):
                 self.sender.directory, self.sender.files = Path(go), []
             if self.targets:  # a whole replica has targets or none (route), so its TP groups stay in step
-                buckets = iter_rank_buckets(model, arch, ctx, bucket_bytes=plan.bucket_bytes)
-                pipelined(buckets, lambda bucket: self.sender.send(self.targets, bucket, session))
+                pipelined(buckets(), lambda bucket: self.sender.send(self.targets, bucket, session))
         except Exception as err:  # noqa: BLE001 - reported to the controller, raised on every rank below
-            error = str(err) if isinstance(err, SGLangError) else f"rank {ctx.rank}: {type(err).__name__}: {err}"
+            error = str(err) if isinstance(err, SGLangError) else f"rank {self.rank}: {type(err).__name__}: {err}"
         # 3. The controller checks what arrived, stamps the version and resumes, or stops here.
         files = self.sender.files if isinstance(self.sender, DiskSender) else []
         outcome = self._collect((session.received, error, files), lambda reports: self._finish(reports, version, go))
@@ -423,21 +482,24 @@ class WeightSync:
     def _collect(self, mine, decide: Callable[[list], Any]):
         """Gather one object per rank to the controller, which decides; its answer is everyone's."""
         ctx = self.ctx
-        gathered = [None] * ctx.world_size if ctx.rank == CONTROLLER else None
-        dist.gather_object(mine, gathered, dst=CONTROLLER, group=ctx.cpu_group)
+        gathered = [mine] if ctx is None else [None] * ctx.world_size if ctx.rank == CONTROLLER else None
+        if ctx is not None:
+            dist.gather_object(mine, gathered, dst=CONTROLLER, group=ctx.cpu_group)
         answer = None
-        if ctx.rank == CONTROLLER:
+        if self.rank == CONTROLLER:
             try:
                 answer = decide(gathered)
             except (SGLangError, ConfigError) as err:
                 answer = Refusal(str(err))
-        return ctx.broadcast_object(answer, src=CONTROLLER)
+        return answer if ctx is None else ctx.broadcast_object(answer, src=CONTROLLER)
 
-    def _prepare(self, tallies: list[dict[int, list[str]]], version: int) -> Any:
-        """Controller: check the planned names, pause generation, open the sessions (disk: the directory)."""
+    def _prepare(self, tallies: list[dict[int, list[str]] | None], version: int) -> Any:
+        """Controller: check the planned names (when known), pause generation, open the sessions (disk: the directory)."""
         plan, control = self.plan, self.control
-        check_tallies(plan.expected_names, tallies, plan.endpoints)
+        if None not in tallies:
+            check_tallies(plan.expected_names, tallies, plan.endpoints)
         servers = list(plan.endpoints)
+        self.paused = True
         control.on_all(servers, control.post, "/pause_generation", {"mode": "abort"})
         control.on_all(servers, control.flush)
         if plan.mode == "disk":
@@ -481,6 +543,7 @@ class WeightSync:
             return Refusal(f"{err} (generation stays paused until a weight sync succeeds)")
         control.on_all(servers, control.flush)
         control.on_all(servers, control.post, "/continue_generation", {})
+        self.paused = False
         return None
 
     def _end_sessions(self, best_effort: bool = False) -> None:

@@ -15,8 +15,7 @@ nothing here runs. It gives every ``megatron.core`` module (loaded now or later)
   CPU generator states the way it swaps CUDA ones on a GPU;
 - tensor factories given a CUDA device build the tensor on the CPU;
 
-lets the local attention run packed (THD) rows, one sequence at a time; and
-makes ``tensor.type()`` report CUDA type names to Megatron's optimizer package, whose
+and it makes ``tensor.type()`` report CUDA type names to Megatron's optimizer package, whose
 parameter classification is written against those names, and ``tensor.cuda()`` called from
 Megatron leave the tensor where it is.
 """
@@ -172,30 +171,6 @@ def _patch_module(module: types.ModuleType) -> None:
         # These helpers reach the CUDA generator through objects imported from torch.cuda.
         module._get_cuda_rng_state = _cpu_rng_get
         module._set_cuda_rng_state = _cpu_rng_set
-    if module.__name__ == "megatron.core.transformer.dot_product_attention":
-        module.DotProductAttention.forward = _packed_rows_per_sequence(module.DotProductAttention.forward)
-
-
-def _packed_rows_per_sequence(forward):
-    """Megatron's local (non-Transformer-Engine) attention refuses THD packed sequences. Attention
-    has already applied the per-sequence rotary positions from ``cu_seqlens`` by then (its THD RoPE
-    is plain torch) and dropped the batch dimension; running the local attention on each
-    sequence's slice with its causal mask is what Transformer Engine's THD kernel computes, at the
-    same sum over sequences of length^2 (a block-diagonal mask over the row would cost row^2)."""
-
-    def forward_packed(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                       packed_seq_params=None):
-        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
-            return forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
-        bounds = packed_seq_params.cu_seqlens_q.tolist()
-        # [t, heads, dim] slices -> [s, 1, heads, dim]; each output is [s, 1, heads * dim]
-        return torch.cat([
-            forward(self, query[lo:hi].unsqueeze(1), key[lo:hi].unsqueeze(1), value[lo:hi].unsqueeze(1), None,
-                    attn_mask_type, attention_bias, None)
-            for lo, hi in zip(bounds[:-1], bounds[1:])
-        ])
-
-    return forward_packed
 
 
 class _PatchMegatronOnImport(importlib.abc.MetaPathFinder):

@@ -35,7 +35,7 @@ def test_config_is_the_papers_setup_on_its_nodes(size):
     assert cfg.data.source.endswith("dapo_math_17k.parquet") and cfg.reward.kind == "math"
     sglang = cfg.rollout.sglang
     assert cfg.rollout.engine == "sglang" and sglang.colocated
-    assert sglang.num_servers * sglang.tp_size <= GPUS_PER_NODE  # the first node's GPUs
+    assert GPUS_PER_NODE % sglang.tp_size == 0  # colocated: one server per tp_size GPUs on every node
     assert cfg.checkpoint.load_megatron.endswith(f"tp{tp}pp{pp}")
 
 

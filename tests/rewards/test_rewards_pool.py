@@ -172,3 +172,27 @@ def test_close_stops_the_workers():
     pool.close()
     pool.close()
     assert all(p.poll() is not None for p in procs)
+
+
+def test_a_dead_workers_sent_results_settle_before_its_crash_is_charged():
+    """A send can find a worker dead before its last answers were read: those answers still count,
+    and only the sample it died on is an error (it must not be retried on a fresh worker)."""
+    import collections
+    import multiprocessing
+
+    with RewardPool(num_workers=1, timeout_s=2.0, prefetch=4) as pool:
+        pool.wait_ready()
+        worker = pool._workers[0]
+        ours, theirs = multiprocessing.Pipe()
+        worker.conn.close()
+        worker.conn = ours
+        worker.inflight = collections.deque([3, 4, 5])
+        theirs.send((3, "correct", 0.01))
+        theirs.send((4, "wrong", 0.02))
+        theirs.close()  # the worker died on task 5
+        queue, out = collections.deque(), [None] * 6
+        settled = pool._on_death(worker, queue, out)
+        assert settled == 3
+        assert out[3] == ("correct", 0.01) and out[4] == ("wrong", 0.02)
+        assert out[5][0] == "error"
+        assert not queue  # nothing is retried

@@ -362,16 +362,19 @@ def test_tensor_update_buckets_every_tensor_once_in_order(fake):
             engine.load_weights((pair for pair in sent), version=3)  # a one-pass generator
             engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
         for server in (fake, other):
-            updates = server.state.updates
+            updates = [u for u in server.state.updates if u["path"] == "/update_weights_from_tensor"]
             assert len(updates) == 3  # [embed..v_proj], [big alone], [the rest]
             check_buckets(updates, sent, BUCKET)
-            assert all(u["session"] and u["weight_version"] == "3" for u in updates)
+            assert all(u["session"] for u in updates)
+            # The version is stamped once, after every server was checked complete, outside the session.
+            assert server.state.updates[-1]["path"] == "/update_weight_version"
+            assert server.state.weight_version == "3" and not server.state.updates[-1]["session"]
             assert_bit_equal(server.state.weights, sent)
             paths = control_paths(server)
             flushes = 4 if server is fake else 2
             assert paths == (["/pause_generation"] + ["/flush_cache"] * (flushes - 1) + ["/begin_weight_update"]
                              + ["/update_weights_from_tensor"] * len(updates)
-                             + ["/end_weight_update", "/flush_cache", "/continue_generation"])
+                             + ["/end_weight_update", "/update_weight_version", "/flush_cache", "/continue_generation"])
             pause = next(r for r in server.state.requests if r["path"] == "/pause_generation")
             assert pause["body"] == {"mode": "abort"}
             assert not server.state.session_open and not server.state.paused
@@ -400,20 +403,23 @@ def test_weight_names_are_checked_before_any_request(fake):
     with SGLangEngine(cfg, expected_weight_names=NAMES, tensor_serializer=serialize_tensors) as engine:
         before = len(fake.state.requests)
         typo = [("model.layers.0.self_attn.q_projj.weight" if n.endswith("q_proj.weight") else n, t) for n, t in good]
-        with pytest.raises(SGLangWeightSyncError, match=r"q_projj.*not among the 12 expected"):
+        with pytest.raises(SGLangWeightSyncError, match=r"^load_weights: the stream lacks 1 of 12 tensors: "
+                           r"model.layers.0.self_attn.q_proj.weight; got 1 unexpected tensors .*: .*q_projj.weight$"):
             engine.load_weights(typo)
-        with pytest.raises(SGLangWeightSyncError, match=r"lacks 1 of 12 expected tensors: lm_head.weight"):
+        with pytest.raises(SGLangWeightSyncError, match=r"lacks 1 of 12 tensors: lm_head.weight$"):
             engine.load_weights(good[:-1])
-        with pytest.raises(SGLangWeightSyncError, match=r"appears twice"):
+        with pytest.raises(SGLangWeightSyncError, match=r"got 1 tensors more than once: model.embed_tokens.weight$"):
             engine.load_weights(good + good[:1])
         assert len(fake.state.requests) == before  # nothing reached the server
         engine.generate([[1]], SamplingParams(max_new_tokens=1))  # still usable: weights untouched
 
-        # A one-pass stream can only be found short at its end, after buckets went out: generation is
-        # then refused until a complete update lands.
-        with pytest.raises(SGLangWeightSyncError, match=r"lacks 1 of 12"):
+        # A one-pass stream can only be found short at its end, after buckets went out: the version is
+        # not stamped, generation stays paused on the server and is refused here until a complete update lands.
+        with pytest.raises(SGLangWeightSyncError, match=rf"^weight sync to {fake.url} lacks 1 of 12 tensors: "
+                           r"lm_head.weight \(generation stays paused until a weight sync succeeds\)$"):
             engine.load_weights(iter(good[:-1]))
-        assert fake.state.updates and not fake.state.session_open and not fake.state.paused
+        assert fake.state.updates and not fake.state.session_open and fake.state.paused
+        assert fake.state.weight_version == "default"
         with pytest.raises(SGLangWeightSyncError, match=r"mix of old and new weights"):
             engine.generate([[1]], SamplingParams(max_new_tokens=1))
         engine.load_weights(iter(good))
@@ -448,10 +454,10 @@ def test_distributed_update_broadcasts_over_a_real_gloo_group(tmp_path):
         out = engine.generate([[1, 2, 3], [4, 5, 6]], SamplingParams(max_new_tokens=3))
         assert [c.token_ids for g in out for c in g] == [fake_sample(p, 0, 3, set(), None)[0]
                                                           for p in ([1, 2, 3], [4, 5, 6])]
-        for rank_offset, url in zip((1, 2), engine.urls):
+        for url in engine.urls:
             state = fake_state(url)
             assert_bit_equal(state["weights"], second)
-            updates = state["updates"]
+            updates = [u for u in state["updates"] if u["path"] == "/update_weights_from_distributed"]
             n_first = len(updates) // 2
             check_buckets(updates[:n_first], first, BUCKET)
             check_buckets(updates[n_first:], second, BUCKET)
@@ -459,7 +465,8 @@ def test_distributed_update_broadcasts_over_a_real_gloo_group(tmp_path):
             calls = recorded(tmp_path, url)
             inits = [c["body"] for c in calls if c["path"] == "/init_weights_update_group"]
             assert len(inits) == 1  # the group is reused by the second update
-            assert inits[0]["rank_offset"] == rank_offset and inits[0]["world_size"] == 3
+            # One group per server (this process is rank 0 of each), so no sender waits on another.
+            assert inits[0]["rank_offset"] == 1 and inits[0]["world_size"] == 2
             assert inits[0]["backend"] == "gloo" and inits[0]["master_address"] == "127.0.0.1"
             bucket_calls = [c["body"] for c in calls if c["path"] == "/update_weights_from_distributed"]
             assert bucket_calls[0]["dtypes"][0] == "bfloat16" and bucket_calls[0]["shapes"][0] == [50, 8]
@@ -540,6 +547,31 @@ def test_restarted_server_is_kept_out_until_weights_are_resent(tmp_path):
         engine.load_weights(weights_stream(8), version=1)
         engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
         assert_bit_equal(fake_state(engine.urls[0])["weights"], weights_stream(8))
+
+
+def test_restarted_server_gets_a_new_weight_update_group(tmp_path):
+    """A restarted server left its group: the next update (load_weights, and the trainer ranks' plan) builds new ones."""
+    die = tmp_path / "die"
+    die.write_text("0")
+    cfg = launch_config(tmp_path, env={"FAKE_SGLANG_DIE_FILE": str(die)}, weight_sync="distributed",
+                        weight_sync_backend="gloo", weight_sync_master_address="127.0.0.1", weight_bucket_bytes=BUCKET,
+                        weight_sync_timeout_s=30)
+    with SGLangEngine(cfg, expected_weight_names=NAMES) as engine:
+        engine.load_weights(weights_stream(1), version=1)
+        before = engine.weight_sync_plan()
+        die.write_text("1")
+        with pytest.raises(SGLangWeightSyncError, match=r"launch weights"):
+            engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+        after = engine.weight_sync_plan()
+        assert (before.server_restarts, after.server_restarts) == (0, 1) and before != after
+        engine.load_weights(iter(weights_stream(2)))  # no version: one more than the last
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+        url = engine.urls[0]
+        state = fake_state(url)
+        assert_bit_equal(state["weights"], weights_stream(2))
+        assert state["weight_version"] == "2"
+        inits = [c["body"] for c in recorded(tmp_path, url) if c["path"] == "/init_weights_update_group"]
+        assert len(inits) == 2 and inits[0]["group_name"] != inits[1]["group_name"]
 
 
 def test_attached_server_is_awaited_after_it_goes_away():

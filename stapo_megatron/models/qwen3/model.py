@@ -46,6 +46,38 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
+@functools.lru_cache(maxsize=None)
+def packed_local_attention() -> type:
+    """Megatron's local (non-Transformer-Engine) attention, also for THD packed rows.
+
+    Megatron's local ``DotProductAttention`` refuses THD. Attention has already applied the
+    per-sequence rotary positions from ``cu_seqlens`` by then (its THD RoPE is plain torch) and
+    dropped the batch dimension; running the local attention on each sequence's slice with its
+    causal mask is what Transformer Engine's THD kernel computes, at the same sum over sequences of
+    length^2 (a block-diagonal mask over the row would cost row^2). Built on first use: importing
+    Megatron's attention must come after the runtime set-up.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class PackedDotProductAttention(DotProductAttention):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                       packed_seq_params)
+            bounds = packed_seq_params.cu_seqlens_q.tolist()
+            # [t, heads, dim] slices -> [s, 1, heads, dim]; each output is [s, 1, heads * dim]
+            return torch.cat([
+                super(PackedDotProductAttention, self).forward(
+                    query[lo:hi].unsqueeze(1), key[lo:hi].unsqueeze(1), value[lo:hi].unsqueeze(1), None,
+                    attn_mask_type, attention_bias, None,
+                )
+                for lo, hi in zip(bounds[:-1], bounds[1:])
+            ])
+
+    return PackedDotProductAttention
+
+
 def layer_spec():
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -54,6 +86,7 @@ def layer_spec():
     spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
     attention = spec.submodules.self_attention.submodules
     attention.q_layernorm = attention.k_layernorm = RMSNorm
+    attention.core_attention = packed_local_attention()
     spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm
     return spec
 
