@@ -1,4 +1,6 @@
-"""One step's rollouts on the rollout rank: sample G responses per prompt, score, advantages.
+"""The rollout side of the controller rank (rank 0): the engine, rewards, prompts and their sampler,
+the evaluator and the metrics logger, behind :class:`RolloutController`; and one step's rollouts:
+sample G responses per prompt, score, advantages (:class:`RolloutCollector`).
 
 With dynamic sampling, groups whose rewards are all equal carry no signal and are dropped;
 more prompts are sampled in their place, for at most ``batch.max_sampling_rounds`` rounds.
@@ -11,11 +13,14 @@ import hashlib
 
 import torch
 
+from stapo_megatron.config import to_dict
 from stapo_megatron.data.prompts import response_text
 from stapo_megatron.loss import correctness_reward, dynamic_sampling_filter, group_advantages, overlong_penalty
 from stapo_megatron.rewards import REASONS, summarize_reasons
 from stapo_megatron.rollout.engine import SamplingParams
 from stapo_megatron.trainer.batch import RolloutBatch
+from stapo_megatron.trainer.launcher import STOP_FILE, write_resolved_config
+from stapo_megatron.trainer.metrics import MetricsLogger
 
 
 def step_seed(run_seed: int, step: int, round_index: int) -> int:
@@ -116,6 +121,78 @@ class RolloutCollector:
         }
         metrics.update({f"reward/reason_{reason}": count / total for reason, count in reasons.items()})
         return metrics
+
+
+class RolloutController:
+    """Everything the training loop asks of the controller rank, which alone talks to the engine,
+    scores rewards, samples prompts, evaluates and writes the metrics rows. Built on rank 0 only."""
+
+    def __init__(self, collector: RolloutCollector, evaluator, logger, run_dir):
+        self.collector, self.evaluator, self.logger, self.run_dir = collector, evaluator, logger, run_dir
+
+    @classmethod
+    def build(cls, cfg, tokenizer, arch, device, servers, stop_token_ids, progress: dict, step: int) -> RolloutController:
+        """The controller for ``cfg``, its sampler at the resumed ``progress``, logging from ``step``."""
+        from stapo_megatron.data.prompts import build_prompt_dataset
+        from stapo_megatron.data.sampler import PromptSampler
+        from stapo_megatron.rewards import RewardPool
+        from stapo_megatron.rollout.factory import build_engine
+
+        write_resolved_config(cfg)  # also when started by an outside torchrun / SLURM launch
+        dataset = build_prompt_dataset(cfg.data, tokenizer)
+        print(f"[stapo] {dataset.report.summary()}", flush=True)
+        sampler = PromptSampler(len(dataset), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+        if "sampler" in progress:
+            sampler.load_state_dict(progress["sampler"])
+        engine = build_engine(cfg.rollout, arch, device, hf_dir=cfg.checkpoint.load_hf, run_dir=cfg.run.directory,
+                              servers=servers)
+        collector = RolloutCollector(engine, RewardPool.from_config(cfg.reward), tokenizer, dataset, sampler, cfg, stop_token_ids)
+        logger = MetricsLogger(cfg.run.directory, cfg.logging, cfg.run.name, to_dict(cfg, redact=True), step, cfg.run.steps)
+        evaluator = None
+        if cfg.eval.every:
+            from stapo_megatron.eval.evaluator import Evaluator
+
+            evaluator = Evaluator(
+                engine, tokenizer, cfg.eval, cfg.data, cfg.reward,
+                default_max_new_tokens=cfg.batch.max_new_tokens, stop_token_ids=stop_token_ids,
+            )
+        return cls(collector, evaluator, logger, cfg.run.directory)
+
+    @property
+    def engine(self):
+        return self.collector.engine
+
+    def collect(self, step: int, timer) -> tuple[RolloutBatch, dict[str, float]]:
+        return self.collector.collect(step, timer)
+
+    def resume_engine(self) -> None:
+        self.engine.resume_memory()
+
+    def release_engine(self) -> None:
+        self.engine.release_memory()
+
+    def sampler_state(self) -> dict:
+        return self.collector.sampler.state_dict()
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        return self.evaluator.evaluate_in_training(step, self.run_dir)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.logger.log(step, metrics)
+
+    def message(self, text: str) -> None:
+        self.logger.message(text)
+
+    def stop_file_present(self) -> bool:
+        return (self.run_dir / STOP_FILE).exists()
+
+    def remove_stop_file(self) -> None:
+        (self.run_dir / STOP_FILE).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self.collector.reward_pool.close()
+        self.logger.close()
 
 
 def _extend(target: _Groups, flat, rewards, correct, groups, group_size: int) -> None:

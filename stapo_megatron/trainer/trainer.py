@@ -11,7 +11,6 @@ import torch.distributed as dist
 
 from stapo_megatron.checkpoint.convert import fill_from_hf, hf_assets, load_model
 from stapo_megatron.checkpoint.hf_io import HFCheckpoint
-from stapo_megatron.config import to_dict
 from stapo_megatron.data.prompts import default_stop_token_ids
 from stapo_megatron.models.qwen3.parallelize import build_stage
 from stapo_megatron.runtime.distributed import init_distributed
@@ -21,9 +20,9 @@ from stapo_megatron.trainer.checkpointing import Checkpointer
 from stapo_megatron.trainer.config import TrainConfig
 from stapo_megatron.trainer.heartbeat import Heartbeat
 from stapo_megatron.trainer.inspector import SpuriousTokenDump
-from stapo_megatron.trainer.launcher import STOP_FILE
-from stapo_megatron.trainer.metrics import MetricsLogger, PhaseTimer
+from stapo_megatron.trainer.metrics import PhaseTimer
 from stapo_megatron.trainer.offload import OPTIMIZER, PARAMS, TrainerOffload
+from stapo_megatron.trainer.rollout import RolloutController
 from stapo_megatron.trainer.update import PolicyUpdater, merge_reporter_metrics
 
 
@@ -146,7 +145,6 @@ class Trainer:
 
         self.updater = PolicyUpdater(self.model, self.optimizer, cfg, self.arch, self.ctx)
         self.inspector = SpuriousTokenDump(self.run_dir, self.tokenizer, cfg.logging.inspect_context_tokens, self.ctx)
-        self.collector = self.logger = self.evaluator = None
         if self.offload is not None:
             # Colocated servers size their KV cache from the memory free when they start: the
             # trainer's state waits in host memory on every rank before any server launches.
@@ -157,11 +155,13 @@ class Trainer:
 
         # Every rank: node leaders launch their node's SGLang servers; all ranks learn every endpoint.
         self.rollout_servers = start_rollout_servers(self.ctx, cfg.rollout, cfg.checkpoint.load_hf, self.run_dir)
-        if self.rank == 0:
-            from stapo_megatron.trainer.launcher import write_resolved_config
-
-            write_resolved_config(cfg)  # also when started by an outside torchrun / SLURM launch
-            self._setup_rollout_rank(progress)
+        # The rollout side lives on rank 0 alone; every other rank holds None (see _on_controller).
+        self.controller = (
+            RolloutController.build(cfg, self.tokenizer, self.arch, self.device, self.rollout_servers,
+                                    stop_token_ids(cfg, self.tokenizer), progress, self.step)
+            if self.rank == 0
+            else None
+        )
         self._install_signal_handlers()
 
     # ---- set-up -----------------------------------------------------------------------------
@@ -226,32 +226,6 @@ class Trainer:
             print(f"[stapo] resumed from {latest} (step {self.step})", flush=True)
         return progress
 
-    def _setup_rollout_rank(self, progress: dict) -> None:
-        from stapo_megatron.data.prompts import build_prompt_dataset
-        from stapo_megatron.data.sampler import PromptSampler
-        from stapo_megatron.rewards import RewardPool
-        from stapo_megatron.rollout.factory import build_engine
-        from stapo_megatron.trainer.rollout import RolloutCollector
-
-        cfg = self.cfg
-        dataset = build_prompt_dataset(cfg.data, self.tokenizer)
-        print(f"[stapo] {dataset.report.summary()}", flush=True)
-        sampler = PromptSampler(len(dataset), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-        if "sampler" in progress:
-            sampler.load_state_dict(progress["sampler"])
-        engine = build_engine(cfg.rollout, self.arch, self.device, hf_dir=cfg.checkpoint.load_hf, run_dir=self.run_dir,
-                              servers=self.rollout_servers)
-        reward_pool = RewardPool.from_config(cfg.reward)
-        self.collector = RolloutCollector(engine, reward_pool, self.tokenizer, dataset, sampler, cfg, stop_token_ids(cfg, self.tokenizer))
-        self.logger = MetricsLogger(self.run_dir, cfg.logging, cfg.run.name, to_dict(cfg, redact=True), self.step, cfg.run.steps)
-        if cfg.eval.every:
-            from stapo_megatron.eval.evaluator import Evaluator
-
-            self.evaluator = Evaluator(
-                engine, self.tokenizer, cfg.eval, cfg.data, cfg.reward,
-                default_max_new_tokens=cfg.batch.max_new_tokens, stop_token_ids=stop_token_ids(cfg, self.tokenizer),
-            )
-
     def _install_signal_handlers(self) -> None:
         def request_stop(signum, frame):
             if signum == signal.SIGINT and self.stop_requested:
@@ -302,10 +276,12 @@ class Trainer:
 
     def collect_rollouts(self, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict]:
         self.ready_to_generate(version=self.step, timer=timer)
-        batch, metrics = (None, {})
-        if self.rank == 0:
+
+        def collect(controller: RolloutController) -> tuple[RolloutBatch, dict]:
             with timer("rollout"):  # sampling bookkeeping; generation and rewards time themselves inside
-                batch, metrics = self.collector.collect(step, timer)
+                return controller.collect(step, timer)
+
+        batch, metrics = self._on_controller(collect, default=(None, {}))
         self.ready_to_train(timer)
         with timer("broadcast"):
             return broadcast_rollouts(self.ctx, batch), metrics
@@ -321,8 +297,7 @@ class Trainer:
                 self.moved_bytes["offload"] += self.offload.offload(OPTIMIZER)
         if self.engine_released:
             with timer("resume"):
-                if self.rank == 0:
-                    self.collector.engine.resume_memory()
+                self._on_controller(RolloutController.resume_engine)
             self.engine_released = False
         if self.engine_version != version:
             if self.offload is not None and self.offload.offloaded(PARAMS):  # offloaded before the servers launched
@@ -340,8 +315,7 @@ class Trainer:
         SGLang's are garbage after a resume without a CPU backup), then the trainer reloads."""
         if self.release_engine and not self.engine_released:
             with timer("release"):
-                if self.rank == 0:
-                    self.collector.engine.release_memory()
+                self._on_controller(RolloutController.release_engine)
             self.engine_released, self.engine_version = True, None
         if self.offload is not None and (self.offload.offloaded(OPTIMIZER) or self.offload.offloaded(PARAMS)):
             with timer("reload"):
@@ -376,34 +350,29 @@ class Trainer:
         in-process engine (collective; see rollout/weight_sync.py)."""
         from stapo_megatron.rollout.weight_sync import sync_engine_weights
 
-        engine = self.collector.engine if self.rank == 0 else None
+        engine = self._on_controller(lambda controller: controller.engine)
         self.weight_sync = sync_engine_weights(self.ctx, self.model, self.arch, engine, version, self.weight_sync)
 
     def evaluate(self, step: int) -> dict:
-        metrics = {}
-        if self.rank == 0:
-            metrics = self.evaluator.evaluate_in_training(step, self.run_dir)
-        return metrics
+        return self._on_controller(lambda controller: controller.evaluate(step), default={})
 
     def save(self) -> None:
-        progress = [None]
-        if self.rank == 0:
-            progress[0] = {
-                "step": self.step,
-                "skipped_steps": self.skipped_steps,
-                "optimizer_steps": self.optimizer_steps,
-                "sampler": self.collector.sampler.state_dict(),
-            }
+        progress = self._on_controller(lambda controller: {
+            "step": self.step,
+            "skipped_steps": self.skipped_steps,
+            "optimizer_steps": self.optimizer_steps,
+            "sampler": controller.sampler_state(),
+        })
         # The sampler lives on rank 0; every rank must hand dist_checkpointing the same common state.
-        progress = self.ctx.broadcast_object(progress[0], src=0)
+        progress = self.ctx.broadcast_object(progress, src=0)
         assets = hf_assets(self.cfg.tokenizer or self.cfg.checkpoint.load_hf) if (self.cfg.tokenizer or self.cfg.checkpoint.load_hf) else None
         self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, progress, self.arch, self.params_dtype, assets)
 
     def _agree_to_stop(self) -> bool:
-        requested = self.stop_requested or (self.rank == 0 and (self.run_dir / STOP_FILE).exists())
+        requested = self.stop_requested or self._on_controller(RolloutController.stop_file_present, default=False)
         stop = self.ctx.any_rank(requested)
-        if stop and self.rank == 0 and (self.run_dir / STOP_FILE).exists():
-            (self.run_dir / STOP_FILE).unlink()
+        if stop:
+            self._on_controller(RolloutController.remove_stop_file)
         return stop
 
     def _checkpoint(self, step: int, timer: PhaseTimer, heartbeat: Heartbeat) -> None:
@@ -422,7 +391,8 @@ class Trainer:
             metrics = merge_reporter_metrics(self.ctx, metrics)
         step_seconds = timer.stop()
         following = heartbeat.timer(step).follow(timer)
-        if self.rank == 0:
+
+        def write_row(controller: RolloutController) -> None:
             with following("logging"):
                 metrics.update(timer.metrics())
                 tokens = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
@@ -431,19 +401,22 @@ class Trainer:
                 if self.offload is not None:  # rank 0's own bytes (ranks of other pipeline stages differ)
                     metrics["memory/offloaded_gb"] = self.moved_bytes["offload"] / 1e9
                     metrics["memory/reloaded_gb"] = self.moved_bytes["reload"] / 1e9
-                self.logger.log(step, metrics)
+                controller.log(step, metrics)
+
+        self._on_controller(write_row)
         self.moved_bytes = dict.fromkeys(self.moved_bytes, 0)
         return following
 
+    def _on_controller(self, action, default=None):
+        """``action(controller)`` on the controller rank (rank 0, which alone holds the rollout side);
+        ``default`` on every other rank."""
+        return action(self.controller) if self.controller is not None else default
+
     def _message(self, text: str) -> None:
-        if self.rank == 0:
-            (self.logger.message if self.logger else print)(text)
+        self._on_controller(lambda controller: controller.message(text))
 
     def close(self) -> None:
-        if self.rank == 0 and self.collector is not None:
-            self.collector.engine.shutdown()
-            self.collector.reward_pool.close()
-            self.logger.close()
+        self._on_controller(RolloutController.close)
         if self.weight_sync is not None:
             self.weight_sync.close()
         if self.rollout_servers is not None:

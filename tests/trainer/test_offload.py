@@ -235,6 +235,7 @@ def test_phases_around_generation_run_in_the_order_the_gpu_memory_needs(monkeypa
 
     from stapo_megatron.trainer import trainer as trainer_module
     from stapo_megatron.trainer.metrics import PhaseTimer
+    from stapo_megatron.trainer.rollout import RolloutController
     from stapo_megatron.trainer.trainer import Trainer
 
     calls = []
@@ -243,9 +244,11 @@ def test_phases_around_generation_run_in_the_order_the_gpu_memory_needs(monkeypa
                              release_memory=lambda: calls.append("engine release"))
     holder = SimpleNamespace(
         rank=0, offload=_RecordingOffload(calls), engine_released=False, engine_version=None, release_engine=True,
-        moved_bytes={"offload": 0, "reload": 0}, collector=SimpleNamespace(engine=engine), ctx=SimpleNamespace(cpu_group=None),
+        moved_bytes={"offload": 0, "reload": 0}, ctx=SimpleNamespace(cpu_group=None),
+        controller=RolloutController(SimpleNamespace(engine=engine), evaluator=None, logger=None, run_dir=None),
         sync_weights=lambda version: calls.append(f"sync {version}"),
     )
+    holder._on_controller = lambda action, default=None: Trainer._on_controller(holder, action, default)
     holder.offload.off = {"optimizer": True, "params": True}  # as __init__ leaves it before the servers launch
     timer = PhaseTimer()
 
