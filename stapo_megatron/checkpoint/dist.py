@@ -10,6 +10,7 @@ reads it without running anything it holds (:mod:`stapo_megatron.checkpoint.safe
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ COMPLETE_MARKER = "stapo_complete.json"
 ASSETS_DIR = "hf_assets"
 
 
-def _in_queue_manager() -> None:
+def _in_queue_manager(rank_pid: int) -> None:
     """Set-up of the queue's manager process: the rank's stop-request handlers, inherited by the
     fork, would make it ignore SIGTERM; and it must end with the rank rather than outlive it."""
     import signal
@@ -32,7 +33,7 @@ def _in_queue_manager() -> None:
 
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_DFL)
-    die_with_parent()
+    die_with_parent(rank_pid)
 
 
 def _use_fork_results_queue() -> None:
@@ -46,7 +47,7 @@ def _use_fork_results_queue() -> None:
 
     if filesystem_async._results_queue is None:
         manager = SyncManager(ctx=mp.get_context("fork"))
-        manager.start(initializer=_in_queue_manager)
+        manager.start(initializer=_in_queue_manager, initargs=(os.getpid(),))
         filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
 
 

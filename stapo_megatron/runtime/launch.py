@@ -34,13 +34,19 @@ def kill_tree(pid: int, timeout: float = 30.0, include_root: bool = True) -> Non
     psutil.wait_procs(processes, timeout=timeout)
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Have the kernel send ``sig`` to this process when the thread that started it ends (Linux)."""
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send ``sig`` to this process when the thread that started it ends (Linux).
+
+    ``parent`` is the pid of the process that started this one: if it died before the request was
+    made (a fork racing a kill of its parent), no signal would ever come, so this process ends now.
+    """
     import ctypes
 
     pr_set_pdeathsig = 1
     if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(sig)) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        os.kill(os.getpid(), sig)
 
 
 def watch_launcher(pid: int, interval: float = 1.0) -> None:

@@ -579,3 +579,26 @@ def test_a_second_ctrl_c_stops_a_single_process_run_with_130(tmp_path):
     assert process.returncode == 130, output[-3000:]
     assert "stapo: interrupted" in output
     assert not (run_dir / "STOP").exists() and not (run_dir / LOCK_FILE).exists()
+
+
+def _ask_to_die_with(parent_pid: int) -> None:
+    from stapo_megatron.runtime.launch import die_with_parent
+
+    die_with_parent(parent_pid)
+
+
+def test_a_child_whose_parent_died_before_asking_ends_at_once():
+    """A fork that races the kill of its parent (the checkpoint queue's manager, forked while its
+    rank is killed) asks for the parent-death signal too late: it must end rather than linger
+    holding the run's output pipes."""
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+    kept = fork.Process(target=_ask_to_die_with, args=(os.getpid(),))
+    kept.start()
+    kept.join(30)
+    orphan = fork.Process(target=_ask_to_die_with, args=(1,))  # as if reparented: its parent is gone
+    orphan.start()
+    orphan.join(30)
+    assert kept.exitcode == 0
+    assert orphan.exitcode == -9  # SIGKILL
