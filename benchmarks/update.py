@@ -1,30 +1,47 @@
-"""One full policy update, padded micro-batches vs packed ones, in the same process (issue 11).
+"""One full policy update, padded micro-batches vs packed ones, in the same run (issue 11).
 
     python benchmarks/update.py [--prompts 16] [--group 4] [--max-response 1024] [--budget 1280]
+                                [--padded-sequences 1,4,16]
 
 A small Qwen3-shaped model (local spec, CPU, gloo, one rank) runs ``PolicyUpdater.update_step``
 (old-log-prob/statistics pass, S2T threshold, forward/backward, optimizer step; two mini-batches)
-three times from the same weights on the same rollout batch:
+from the same weights on the same rollout batch, each variant in a fresh process:
 
-- ``padded``: the layout before packing: the rank's sequences longest first, ``--padded-sequences``
-  (4, the old ``micro_batch_size`` default) per micro-batch, each padded to its longest;
+- ``padded/N``: the layout the trainer used before packing (``trainer.py::_microbatches`` and
+  ``batch.py::make_microbatches`` of commit 9133d94): each mini-batch's sequences longest first,
+  ``micro_batch_size`` = N per micro-batch, each micro-batch padded to its own longest, the same
+  micro-batches for the statistics pass. N = 4 was the default, the GPU configs used 1;
 - ``packed``: token-budget micro-batches (``--budget`` for forward/backward, twice that for the
   statistics passes), sequences concatenated into one row with THD boundaries;
 - ``packed+skip``: the same, zero-advantage sequences left out (``batch.skip_zero_advantage``).
 
 Lengths are long-tailed like the paper's responses (most short, a tail up to the maximum):
 prompt ~ U[32, 96] tokens; response = min(max, round(exp(N(ln 150, 1.0)))) tokens, median 150,
-mean ~250, about 2% at the cap of 1024. A quarter of the groups are all-correct or all-wrong
-(advantage 0), the rest mixed.
+mean ~250, about 2% at the cap of 1024 (the measured quantiles are printed). A quarter of the
+groups are all-correct or all-wrong (advantage 0), the rest mixed.
 
-Each variant runs in its own fresh process (same weights, same batch). Printed per variant: tokens/s (all prompt + response tokens of the batch / wall time of the
-update), padding fraction (padding / model tokens of the forward/backward micro-batches), the
-peak resident memory above the process's level before the update (sampled every 2 ms), and
-the ratios against ``padded``. Then the data-parallel token imbalance of the LPT split on a
-paper-scale step (256 prompts x 8, responses up to 15,360 tokens, 4 mini-batches, DP = 8 and 16)
-next to the round-robin deal it replaced.
+Printed per variant: wall seconds of the update (micro-batch building included), tokens/s (all
+prompt + response tokens of the batch / those seconds), model tokens (positions the forward/backward
+micro-batches compute, padding included; the statistics pass runs as many again) and their
+padding fraction, micro-batch count, the peak resident memory above the level before the update
+(sampled every 2 ms), and the ratios against ``padded/4``. Then where a forward pass's time goes
+(profiled statistics pass of the first mini-batch: linear-layer matmuls, attention, the rest of
+the ops, and the wall time outside any op: Python and dispatch), and the data-parallel token
+imbalance of the LPT split on a paper-scale step (256 prompts x 8, responses up to 15,360 tokens,
+4 mini-batches, DP = 8 and 16) next to the round-robin deal it replaced.
 
 Goals (issue 11): padding <= 5% packed; packed tokens/s >= 1.5x padded; DP imbalance <= 2%.
+
+Reading it on CPU: the work of a pass grows with the positions computed (the ``model tok``
+column), and a CPU runs a [1, 1280] row about as efficiently per position as a [4, 320] block, so
+packing gains over ``padded/N`` at most the ratio of their model tokens. The old layout sorted each
+mini-batch longest first, which keeps its padding low (``padded/4``: ~14% on this distribution,
+so <= ~1.16x is on offer); ``padded/1`` has no padding but runs one sequence per micro-batch, and
+pays the fixed cost of a micro-batch (schedule, Python, small matmuls) many times; large N pays
+for padding. Most of a forward pass on CPU is memory-bound element-wise work (norms, SwiGLU,
+rotary, the log-prob/entropy over the vocabulary), not matmuls, and the local spec's packed
+attention runs one attention call per sequence (its causal mask built per call). A speed-up
+against ``padded/1`` on a GPU (kernel launches, under-filled matmuls) is not measured here.
 """
 
 from __future__ import annotations
@@ -53,7 +70,16 @@ SMALL_QWEN3 = dict(
 )
 
 
-VARIANTS = {"padded": (False, False), "packed": (True, False), "packed+skip": (True, True)}  # (packed, skip)
+BASELINE = "padded/4"  # the old default micro_batch_size
+LINEAR_OPS = ("aten::mm", "aten::addmm")  # the linear layers and the LM head
+ATTENTION_OPS = ("aten::bmm", "aten::baddbmm", "aten::_softmax")  # the local spec's core attention
+
+
+def variant_layout(variant: str) -> tuple[bool, bool, int]:
+    """(packed, skip, sequences per padded micro-batch) of ``padded/N``, ``packed``, ``packed+skip``."""
+    if variant.startswith("padded/"):
+        return False, False, int(variant.split("/")[1])
+    return True, variant == "packed+skip", 0
 
 
 def response_length(rng: random.Random, cap: int) -> int:
@@ -138,7 +164,29 @@ def padded_plan(batch, cfg, ctx, per_microbatch: int):
     return StepPlan(minibatches, slots, {"batch/padding_fraction": 1 - real / width})
 
 
-def measure(report: str, variant: str, prompts: int, group: int, cap: int, budget: int, per_microbatch: int) -> None:
+def forward_profile(updater, microbatches) -> dict[str, float]:
+    """Seconds of one forward-only statistics pass over ``microbatches``, split by the profiler
+    into linear-layer matmuls, core attention, the other ops and the time outside any op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        updater.statistics(microbatches)
+        wall = time.perf_counter() - start
+    split = {"linear": 0.0, "attention": 0.0, "other_ops": 0.0}
+    others = []
+    for event in prof.key_averages():
+        kind = "linear" if event.key in LINEAR_OPS else "attention" if event.key in ATTENTION_OPS else "other_ops"
+        split[kind] += event.self_cpu_time_total / 1e6
+        if kind == "other_ops":
+            others.append((event.self_cpu_time_total / 1e6, event.key))
+    split["outside_ops"] = max(0.0, wall - sum(split.values()))
+    split["wall"] = wall
+    split["top_other"] = sorted(others, reverse=True)[:3]
+    return split
+
+
+def measure(report: str, variant: str, prompts: int, group: int, cap: int, budget: int) -> None:
     """One variant in a fresh process (the allocator's cache of an earlier variant would hide
     this one's peak memory), after a warm-up update on a few sequences."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -148,7 +196,8 @@ def measure(report: str, variant: str, prompts: int, group: int, cap: int, budge
     from stapo_megatron.models.qwen3.config import Qwen3Config
     from stapo_megatron.models.qwen3.parallelize import build_stage
     from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
-    from stapo_megatron.trainer.update import PolicyUpdater
+    from stapo_megatron.trainer.batch import model_tokens
+    from stapo_megatron.trainer.update import PolicyUpdater, plan_step
 
     ctx = init_distributed(ParallelConfig(), seed=1)
     arch = Qwen3Config(**SMALL_QWEN3)
@@ -174,28 +223,42 @@ def measure(report: str, variant: str, prompts: int, group: int, cap: int, budge
                                                            use_distributed_optimizer=False), [ddp])
         return PolicyUpdater(ddp, optimizer, cfg, arch, ctx), cfg
 
-    packed, skip = VARIANTS[variant]
+    packed, skip, per_microbatch = variant_layout(variant)
+
+    def layout(rollouts, cfg):  # None: update_step plans the packed layout itself
+        return None if packed else padded_plan(rollouts, cfg, ctx, per_microbatch)
+
     warm, cfg = updater(skip)  # one-off costs (first allocations, kernels) outside the timed run
     few = batch.select(range(2 * group))
-    warm.update_step(few, plan=None if packed else padded_plan(few, cfg, ctx, per_microbatch))
+    warm.update_step(few, plan=layout(few, cfg))
     run, cfg = updater(skip)
-    plan = None if packed else padded_plan(batch, cfg, ctx, per_microbatch)
     with PeakMemory() as memory:
         start = time.perf_counter()
-        done = run.update_step(batch, plan=plan)
+        done = run.update_step(batch, plan=layout(batch, cfg))  # micro-batch building included, as in training
         seconds = time.perf_counter() - start
     metrics = done.metrics
+    plan = layout(batch, cfg) or plan_step(batch, cfg, ctx)
+    model_positions = sum(mb["input_ids"].numel() for m in plan.minibatches for mb in m.update)
     result = {
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
+        "model_tokens": model_positions,
         "padding_fraction": metrics["batch/padding_fraction"],
         "skipped_fraction": metrics.get("batch/skipped_fraction", 0.0),
         "peak_memory_mb": memory.above_base / 2**20,
-        "microbatches": sum(len(r.selections) for r in done.results),
+        "microbatches": sum(len(m.update) for m in plan.minibatches),
         "pg_loss": [r.metrics["policy/pg_loss"] for r in done.results],
+        "forward_profile": forward_profile(run, plan.minibatches[0].forward),
     }
-    result["batch"] = {"sequences": len(batch), "tokens": tokens,
-                       "longest": max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))}
+    responses = sorted(len(r) for r in batch.response_ids)
+    result["batch"] = {
+        "sequences": len(batch), "tokens": tokens, "model_lengths": [model_tokens(batch, i) for i in range(len(batch))],
+        "longest": max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)),
+        "response_quantiles": {q: responses[min(len(responses) - 1, int(q * len(responses)))] for q in (0.1, 0.5, 0.9, 0.99)},
+        "response_mean": sum(responses) / len(responses),
+        "at_cap": sum(r >= cap for r in responses) / len(responses),
+        "prompt_range": (min(len(p) for p in batch.prompt_ids), max(len(p) for p in batch.prompt_ids)),
+    }
     Path(report).write_text(json.dumps(result))
 
 
@@ -217,37 +280,67 @@ def dp_imbalance(dp: int, seed: int = 0) -> tuple[float, float]:
     return lpt, deal
 
 
+def flops_split(lengths: list[int]) -> tuple[float, float]:
+    """(linear, attention) forward FLOPs of the model over sequences of ``lengths`` tokens: 2 per
+    weight per token (layers and LM head); attention 2 x 2 L^2 x heads x head_dim per layer (QK^T
+    and AV; the local spec computes the whole L x L score matrix and masks it)."""
+    a = SMALL_QWEN3
+    q, kv = a["num_attention_heads"] * a["head_dim"], a["num_key_value_heads"] * a["head_dim"]
+    per_layer = a["hidden_size"] * (2 * q + 2 * kv) + 3 * a["hidden_size"] * a["intermediate_size"]
+    weights = a["num_hidden_layers"] * per_layer + a["hidden_size"] * a["vocab_size"]
+    tokens = sum(lengths)
+    attention = sum(4 * n * n * q for n in lengths) * a["num_hidden_layers"]
+    return 2 * weights * tokens, attention
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--max-response", type=int, default=1024)
     parser.add_argument("--budget", type=int, default=1280, help="max_tokens_per_microbatch (forward passes: twice)")
-    parser.add_argument("--padded-sequences", type=int, default=4, help="sequences per padded micro-batch")
+    parser.add_argument("--padded-sequences", default="1,4,16",
+                        help="micro_batch_size values of the padded baseline, comma-separated (4 is the reference)")
     args = parser.parse_args()
+    sizes = sorted({int(n) for n in args.padded_sequences.split(",")} | {4})
+    variants = [f"padded/{n}" for n in sizes] + ["packed", "packed+skip"]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for variant in VARIANTS:
+        for variant in variants:
             report = Path(tmp, "update.json")
-            spawn_ranks(measure, 1, str(report), variant, args.prompts, args.group, args.max_response, args.budget,
-                        args.padded_sequences)
+            spawn_ranks(measure, 1, str(report), variant, args.prompts, args.group, args.max_response, args.budget)
             results[variant] = json.loads(report.read_text())
-    b = results["padded"]["batch"]
+    b = results[BASELINE]["batch"]
+    quantiles = ", ".join(f"p{round(float(q) * 100)} {v}" for q, v in b["response_quantiles"].items())
     print(f"one update of a {SMALL_QWEN3['num_hidden_layers']}-layer, hidden-{SMALL_QWEN3['hidden_size']} Qwen3 (CPU, "
           f"{torch.get_num_threads()} threads): {b['sequences']} sequences, {b['tokens']} tokens, longest {b['longest']}")
-    base = results["padded"]
-    print(f"{'variant':<12} {'s':>7} {'tokens/s':>9} {'x padded':>9} {'padding':>8} {'skipped':>8} {'peak MB':>8} {'x padded':>9} {'micro-b.':>9}")
+    print(f"response lengths: mean {b['response_mean']:.0f}, {quantiles}, {b['at_cap']:.1%} at the cap of "
+          f"{args.max_response}; prompts {b['prompt_range'][0]}-{b['prompt_range'][1]} tokens")
+    base = results[BASELINE]
+    print(f"{'variant':<12} {'s':>7} {'tokens/s':>9} {'x pad/4':>8} {'model tok':>10} {'padding':>8} {'skipped':>8} "
+          f"{'micro-b.':>9} {'peak MB':>8} {'x pad/4':>8}")
     for name, r in results.items():
-        print(f"{name:<12} {r['seconds']:>7.1f} {r['tokens_per_s']:>9.0f} {r['tokens_per_s'] / base['tokens_per_s']:>9.2f} "
-              f"{r['padding_fraction']:>8.1%} {r['skipped_fraction']:>8.1%} {r['peak_memory_mb']:>8.0f} "
-              f"{r['peak_memory_mb'] / max(base['peak_memory_mb'], 1e-9):>9.2f} {r['microbatches']:>9}")
+        print(f"{name:<12} {r['seconds']:>7.1f} {r['tokens_per_s']:>9.0f} {r['tokens_per_s'] / base['tokens_per_s']:>8.2f} "
+              f"{r['model_tokens']:>10} {r['padding_fraction']:>8.1%} {r['skipped_fraction']:>8.1%} {r['microbatches']:>9} "
+              f"{r['peak_memory_mb']:>8.0f} {r['peak_memory_mb'] / max(base['peak_memory_mb'], 1e-9):>8.2f}")
+    print("where a forward pass goes (profiled statistics pass of mini-batch 1, seconds and share of its wall time):")
+    print(f"{'variant':<12} {'wall':>7} {'linear':>13} {'attention':>13} {'other ops':>13} {'outside ops':>13}")
+    for name, r in results.items():
+        p = r["forward_profile"]
+        parts = " ".join(f"{p[k]:>6.2f} ({p[k] / p['wall']:>4.0%})" for k in ("linear", "attention", "other_ops", "outside_ops"))
+        top = ", ".join(f"{op.removeprefix('aten::')} {seconds:.2f}" for seconds, op in p["top_other"])
+        print(f"{name:<12} {p['wall']:>7.2f} {parts}   largest other: {top}")
+    linear, attention = flops_split(b["model_lengths"])
+    print(f"forward FLOPs of the batch without padding: linear layers {linear / 1e9:.1f} G, attention {attention / 1e9:.1f} G "
+          f"({attention / (linear + attention):.0%})")
     for dp in (8, 16):
         lpt, deal = dp_imbalance(dp)
         print(f"DP={dp} token imbalance on a paper-scale step: LPT {lpt:.2%} (round-robin deal {deal:.2%})")
     packed = results["packed"]
     print(f"goals: packed padding {packed['padding_fraction']:.1%} (<= 5%), packed tokens/s "
-          f"{packed['tokens_per_s'] / base['tokens_per_s']:.2f}x padded (>= 1.5x; with skipping "
-          f"{results['packed+skip']['tokens_per_s'] / base['tokens_per_s']:.2f}x), DP imbalance {dp_imbalance(8)[0]:.2%} (<= 2%)")
+          + ", ".join(f"{packed['tokens_per_s'] / results[f'padded/{n}']['tokens_per_s']:.2f}x padded/{n}" for n in sizes)
+          + f" (>= 1.5x; with skipping {results['packed+skip']['tokens_per_s'] / base['tokens_per_s']:.2f}x padded/4), "
+          f"DP imbalance {dp_imbalance(8)[0]:.2%} (<= 2%)")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 from stapo_megatron.config import ConfigError
@@ -12,13 +14,14 @@ def build_parser() -> argparse.ArgumentParser:
     from stapo_megatron.checkpoint import cli as convert_cli
     from stapo_megatron.config import cli as config_cli
     from stapo_megatron.eval import cli as eval_cli
+    from stapo_megatron.experiment import cli as experiment_cli
     from stapo_megatron.launch import cli as launch_cli
     from stapo_megatron.trainer import cli as run_tools_cli
-    from stapo_megatron.trainer import launcher as train_cli
+    from stapo_megatron.trainer import train_cli
 
     parser = argparse.ArgumentParser(prog="stapo", description="STAPO reinforcement learning of Qwen3 on Megatron-Core")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for module in (train_cli, convert_cli, eval_cli, run_tools_cli, config_cli, launch_cli):
+    for module in (train_cli, convert_cli, eval_cli, run_tools_cli, config_cli, launch_cli, experiment_cli):
         module.register(subparsers)
     return parser
 
@@ -50,8 +53,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    return run(args.func, args)
+    try:
+        try:
+            args = parse_args(argv)
+            return run(args.func, args)
+        finally:
+            sys.stdout.flush()  # a reader that left (``stapo config --docs | head``) shows up here at the latest
+    except BrokenPipeError:
+        # The reader has what it wanted. Python would try the flush again at exit and print a
+        # traceback, so what is left of stdout goes nowhere; the status is a shell's for SIGPIPE.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

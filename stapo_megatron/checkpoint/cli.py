@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 
 from stapo_megatron.config import ConfigError
 
@@ -16,6 +17,40 @@ def parse_size(text: str) -> int:
     if not match:
         raise ConfigError(f"--max-shard-size: cannot read {text!r} as a size (e.g. 5GB, 512MiB)")
     return int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").upper()])
+
+
+def newest_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint of a run directory (``<run>/checkpoints/iter_*``) that passes the
+    cheap integrity check (every recorded file present at its size, the small files' checksums;
+    what ``stapo convert`` checks before it starts), by this process alone; and why each newer
+    one was passed over. Resume and conversion still verify it in full."""
+    from stapo_megatron.checkpoint.integrity import verify_checkpoint
+
+    skipped = []
+    # iter_ + a zero-padded step: the names sort as the steps do
+    for candidate in sorted(Path(run_dir, "checkpoints").glob("iter_*"), reverse=True):
+        try:
+            verify_checkpoint(candidate, full=False)
+        except ConfigError as err:
+            skipped.append(str(err))
+            continue
+        return candidate, skipped
+    return None, skipped
+
+
+def _refuse_run_directory(ckpt: Path) -> None:
+    """``--ckpt`` given a run directory (or its ``checkpoints/``) rather than one checkpoint:
+    name the checkpoint to pass instead of calling the directory an incomplete checkpoint."""
+    from stapo_megatron.checkpoint.dist import COMPLETE_MARKER
+
+    run_dir = ckpt.parent if ckpt.name == "checkpoints" else ckpt
+    if (ckpt / COMPLETE_MARKER).exists() or not any(Path(run_dir, "checkpoints").glob("iter_*")):
+        return
+    newest, skipped = newest_intact_checkpoint(run_dir)
+    where = f"--ckpt: {ckpt} is a run directory, not a checkpoint; its checkpoints are {run_dir / 'checkpoints'}/iter_*"
+    if newest is None:
+        raise ConfigError(f"{where}, and none is intact (newest: {skipped[0]})")
+    raise ConfigError(f"{where}: the newest intact one is {newest} (pass --ckpt {newest})")
 
 
 def add_hf_to_megatron_args(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +83,7 @@ def run_hf_to_megatron(args: argparse.Namespace) -> None:
 def run_megatron_to_hf(args: argparse.Namespace) -> None:
     from stapo_megatron.checkpoint.convert import convert_megatron_to_hf
 
+    _refuse_run_directory(Path(args.ckpt))
     out = convert_megatron_to_hf(
         args.ckpt,
         args.out,

@@ -110,6 +110,12 @@ def field_doc(cls: type, name: str) -> str:
     return next(f.metadata.get("doc", "") for f in dataclasses.fields(cls) if f.name == name)
 
 
+def field_default(cls: type, name: str) -> Any:
+    """The default value of a field of ``cls``."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+
+
 def _preset_path(cls: type, name: str, where: str) -> Path:
     if name.endswith((".yaml", ".yml")) or os.sep in name:
         path = Path(name)
@@ -256,6 +262,8 @@ def _type_name(tp: Any) -> str:
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) in (list, tuple, dict):
         return str(tp).replace("typing.", "")
+    if tp is type(None):
+        return "None"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
@@ -415,19 +423,24 @@ def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
     """Apply ``a.b.c=value`` overrides to a raw config mapping (values parsed as YAML)."""
     for text in overrides:
         path, value = parse_override(text)
-        node = data
-        for depth, part in enumerate(path[:-1]):
-            child = node.get(part)
-            if isinstance(child, str):  # a preset name: keep it, override fields on top
-                child = {PRESET_KEY: child}
-            elif child is None:
-                child = {}
-            elif not isinstance(child, dict):
-                raise ConfigError(f"override '{text}': {'.'.join(path[: depth + 1])} is not a section")
-            node[part] = child
-            node = child
-        node[path[-1]] = value
+        set_field(data, path, value, text)
     return data
+
+
+def set_field(data: dict, path: list[str], value: Any, text: str) -> None:
+    """Set the dotted field ``path`` of a raw config mapping; ``text``: how the user wrote it, for errors."""
+    node = data
+    for depth, part in enumerate(path[:-1]):
+        child = node.get(part)
+        if isinstance(child, str):  # a preset name: keep it, override fields on top
+            child = {PRESET_KEY: child}
+        elif child is None:
+            child = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"override '{text}': {'.'.join(path[: depth + 1])} is not a section")
+        node[part] = child
+        node = child
+    node[path[-1]] = value
 
 
 def load_config(cls: type, path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> Any:

@@ -17,7 +17,7 @@ from stapo_megatron.data.prompts import (
 from stapo_megatron.data.records import DataError, EncodedPrompt, LoadReport, PromptRecord
 from stapo_megatron.data.rows import RowSchema
 from stapo_megatron.data.sampler import PromptSampler
-from stapo_megatron.data.synthetic import TinyTokenizer, load_tokenizer, synthetic_records
+from stapo_megatron.data.synthetic import synthetic_records, synthetic_tokenizer
 
 __all__ = [
     "BENCHMARKS",
@@ -33,14 +33,13 @@ __all__ = [
     "PromptRecord",
     "PromptSampler",
     "RowSchema",
-    "TinyTokenizer",
     "build_prompt_dataset",
     "get_benchmark",
     "iter_rows",
     "load_benchmark",
     "load_prompt_records",
     "load_records",
-    "load_tokenizer",
     "render_prompt",
     "synthetic_records",
+    "synthetic_tokenizer",
 ]

@@ -1,13 +1,19 @@
-"""Evaluation settings: benchmarks, samples per problem, decoding, and periodic evaluation in training."""
+"""Evaluation settings: benchmarks, samples per problem, decoding, and periodic evaluation in training;
+and the whole ``stapo eval`` command's config."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Literal
 
+from pathlib import Path
+
 from stapo_megatron.config import MAX_BATCH, MAX_SEED, MAX_STEPS, MAX_TOKENS, ConfigError, option
 from stapo_megatron.config.core import check_fields
 from stapo_megatron.data.benchmarks import BENCHMARKS, PAPER_BENCHMARKS
+from stapo_megatron.data.config import PROMPT_TEMPLATES
+from stapo_megatron.rewards.config import RewardConfig
+from stapo_megatron.rollout.config import RolloutConfig
 
 MAX_K = 1 << 16  # samples per problem
 
@@ -69,3 +75,49 @@ class EvalConfig:
     def k_for(self, benchmark: str) -> int:
         """Samples per problem of ``benchmark``: its own override, else k, else the paper's default."""
         return self.k_by_benchmark.get(benchmark) or self.k or BENCHMARKS[benchmark].default_k
+
+
+@dataclasses.dataclass
+class EvalCommandConfig:
+    """``stapo eval``: one model on the benchmarks, or one table over finished evaluations."""
+
+    model: str = option("", "Model to evaluate: a Hugging Face Qwen3 directory, or a stapo Megatron checkpoint "
+                        "(exported to Hugging Face format first).")
+    compare: list[str] = option([], "Instead of evaluating: finished evaluation directories to put in one table.")
+    name: str = option("", "Model name in the table ('': the model's directory name).")
+    out: str = option("", "Output directory ('': eval_results/<name>-<decoding>); with compare: a file for the table.")
+    tokenizer: str = option("", "Tokenizer directory ('': the model's, or the Megatron checkpoint's hf_assets/).")
+    export_dir: str = option(
+        "", "Where a Megatron checkpoint is exported, kept and reused ('': a temporary directory).")
+    device: str = option("", "Device of the local engine ('': cuda when available, else cpu).")
+    template: str = option("stapo", "Prompt template: stapo, raw, or a text containing {problem}.")
+    chat_template: bool = option(False, "Wrap the prompt in the tokenizer's chat template.")
+    chat_template_kwargs: dict = option({}, "Mapping passed to apply_chat_template, e.g. {enable_thinking: false}.")
+    overwrite: bool = option(False, "Discard the responses already in out and start over (default: continue them).")
+    eval: EvalConfig = option(doc="Benchmarks, samples per problem, decoding.", factory=EvalConfig)
+    rollout: RolloutConfig = option(
+        doc="The engine that samples (local, or SGLang servers launched on the model or attached by URL).",
+        factory=RolloutConfig,
+    )
+    reward: RewardConfig = option(doc="Answer verification.", factory=RewardConfig)
+
+    def __post_init__(self):
+        if bool(self.model) == bool(self.compare):
+            raise ConfigError("model: give a model to evaluate or finished evaluations to compare, not both"
+                              if self.model else "model: required (or compare: finished evaluations to tabulate)")
+        if self.compare:
+            return
+        from stapo_megatron.data.prompts import render_prompt
+
+        try:
+            render_prompt("", self.template)
+        except ValueError as err:
+            raise ConfigError(f"template: {err} (known: {', '.join(PROMPT_TEMPLATES)})") from None
+        if self.eval.every:
+            raise ConfigError(f"eval.every: only for training (stapo eval evaluates once), got {self.eval.every}")
+        if self.eval.max_new_tokens < 1:  # 0 means the training batch's, which an evaluation has not
+            raise ConfigError(f"eval.max_new_tokens: must be >= 1, got {self.eval.max_new_tokens}")
+        if not self.eval.data_dir:
+            raise ConfigError("eval.data_dir: required (the directory holding aime24.jsonl, math500.jsonl, ...)")
+        if not Path(self.eval.data_dir).is_dir():
+            raise ConfigError(f"eval.data_dir: {self.eval.data_dir} is not a directory")

@@ -26,6 +26,9 @@ Static bytes (Megatron DDP with an fp32 gradient buffer, as the trainer builds i
                                          optimizer
     Megatron's local spec (no Transformer Engine) builds the RMSNorm weights in fp32 whatever e
     is: they form a second, fp32 buffer (4 bytes each, no master copy).
+    reference   e x N_r          with a KL penalty (algo.kl_coef > 0): the frozen reference model's
+                                 weights (no DDP buffer, no gradients); with --offload it leaves with
+                                 the optimizer state while the servers generate
 
 Activations: bytes one layer keeps for backward, per token, A (multiply by s b per micro-batch):
 
@@ -77,13 +80,20 @@ and against the peak memory of forward + backward of small models on CPU (tests/
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from collections.abc import Iterable
-from typing import Literal
+from typing import Literal, Optional
 
-from stapo_megatron.config import ConfigError, build
+from stapo_megatron.config import MAX_BATCH, MAX_TOKENS, ConfigError, apply_overrides, build, option
+from stapo_megatron.config.command import (
+    CommandConfig,
+    Flag,
+    add_command_arguments,
+    load_command,
+    register_command_config,
+)
+from stapo_megatron.config.core import field_default
 from stapo_megatron.models.qwen3.config import Qwen3Config
 
 GIB = 1 << 30
@@ -126,6 +136,7 @@ class Workload:
     distributed_optimizer: bool = True
     logits_chunk: int = 1024
     entropy_grad: bool = False
+    reference_model: bool = False  # the KL penalty's frozen reference (algo.kl_coef > 0)
 
     @property
     def param_bytes(self) -> int:
@@ -288,6 +299,7 @@ class StageMemory:
     logits: float  # the loss's peak (last stage): logits slice, its gradient, chunk buffers
     optimizer_by_dp_rank: list[float] = dataclasses.field(default_factory=list)
     layers: int = 0  # decoder layers of this stage
+    reference: float = 0.0  # the KL penalty's frozen reference model (weights only)
 
     @property
     def peak_activations(self) -> float:
@@ -296,7 +308,7 @@ class StageMemory:
 
     @property
     def trainer(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.peak_activations
+        return self.weights + self.grads + self.optimizer + self.reference + self.peak_activations
 
 
 @dataclasses.dataclass
@@ -325,7 +337,8 @@ class Estimate:
     @property
     def rollout_phase(self) -> float:
         """The servers' share plus what the trainer keeps while they hold it (at the weight sync)."""
-        kept = max(st.weights if self.offload else st.weights + st.grads + st.optimizer for st in self.stages)
+        kept = max(st.weights if self.offload else st.weights + st.grads + st.optimizer + st.reference
+                   for st in self.stages)
         return kept + self.sglang + self.reserve
 
     @property
@@ -360,11 +373,13 @@ def _buffers(params: list[Param], work: Workload) -> list[tuple[int, list[Param]
 def stage_memory(arch: Qwen3Config, layout: Layout, work: Workload, stage: int) -> StageMemory:
     tp, pp = layout.tp, layout.pp
     params = stage_parameters(arch, tp, pp, stage)
-    weights = grads = 0.0
+    weights = grads = reference = 0.0
     shards = [0.0] * layout.dp
     for nbytes, group in _buffers(params, work):
         n_buf, group_shards = buffer_layout(group, layout.dp, work.distributed_optimizer)
         weights += nbytes * n_buf
+        if work.reference_model:
+            reference += nbytes * sum(p.numel for p in group)
         grads += 4 * n_buf  # the trainer reduces gradients in fp32
         # Adam's two fp32 moments, plus an fp32 master copy of 16-bit weights
         for rank, numel in enumerate(group_shards):
@@ -383,7 +398,7 @@ def stage_memory(arch: Qwen3Config, layout: Layout, work: Workload, stage: int) 
     return StageMemory(
         stage=stage, params=sum(p.numel for p in params), weights=weights, grads=grads,
         optimizer=max(shards), activations=kept, working=backward_working_set(arch, tp, work), logits=logits,
-        optimizer_by_dp_rank=shards, layers=layers,
+        optimizer_by_dp_rank=shards, layers=layers, reference=reference,
     )
 
 
@@ -536,17 +551,63 @@ def format_stages(est: Estimate) -> str:
     return "\n".join(lines)
 
 
-def _from_config(args) -> tuple[Qwen3Config | None, dict]:
-    """Defaults taken from a training config (its model, lengths, batch and layout)."""
-    if not args.config:
-        return None, {}
-    from stapo_megatron.config import load_config
-    from stapo_megatron.trainer.config import TrainConfig
+@dataclasses.dataclass
+class PlanConfig:
+    """``stapo plan``'s fields: the ``plan:`` section of a training config, or the command line alone.
+    Unset (None) fields take the training config's value, else the default their documentation names."""
 
-    cfg = load_config(TrainConfig, args.config, args.overrides)
+    model: str = option(
+        "", "Qwen3 preset (qwen3_0.6b ... qwen3_32b) or a model YAML ('': the training config's model).")
+    gpus: Optional[int] = option(None, "GPUs of the trainer (default: the training config's world size).", ge=1,
+                                 le=MAX_BATCH)
+    seq_len: Optional[int] = option(
+        None, "Tokens per micro-batch row, prompt + response (default: the training config's "
+        "batch.max_tokens_per_microbatch, else its default).", ge=1, le=MAX_BATCH * MAX_TOKENS)
+    micro_batch: Optional[int] = option(None, "Sequences per micro-batch (default 1).", ge=1, le=MAX_BATCH)
+    sequences_per_minibatch: Optional[int] = option(
+        None, "Sequences per optimizer step, all DP ranks (default: the training config's, else 512 = 64 prompts x 8); "
+        "bounds the micro-batches in flight under pipeline parallelism.", ge=1, le=MAX_BATCH)
+    recompute: Optional[Recompute] = option(
+        None, "Activation recomputation (default: the training config's, else none).")
+    sequence_parallel: Optional[bool] = option(
+        None, "Megatron sequence parallelism: the norm/residual activations split over TP (default: the training "
+        "config's parallel.sequence_parallel, else false).")
+    kernels: Kernels = option(
+        "te", "te: Transformer Engine with flash attention (GPU); local: Megatron's local spec (no TE).")
+    dtype: Optional[Literal["bfloat16", "float32"]] = option(
+        None, "Parameter dtype (default: the training config's, else bfloat16).")
+    gpu_memory_gb: float = option(80.0, "Memory per GPU in GiB.", gt=0, le=1 << 20)
+    gpus_per_node: int = option(8, "Largest TP considered (TP stays within a node).", ge=1, le=MAX_BATCH)
+    colocate_fraction: Optional[float] = option(
+        None, "Fraction of each GPU held by colocated SGLang servers (their mem_fraction_static); 0: separate GPUs "
+        "(default: the training config's, else 0).", ge=0, lt=1)
+    sglang_released: Optional[bool] = option(
+        None, "Colocated servers free their share while the trainer runs (default: the training config's "
+        "rollout.release_memory_between_steps or offload, else false).")
+    offload: Optional[bool] = option(
+        None, "The trainer's state waits in host memory while colocated servers generate; implies sglang_released "
+        "(default: the training config's compute.offload_while_generating, else false).")
+    server_tp: Optional[int] = option(
+        None, "Tensor-parallel size of each SGLang server, for the rollout capacity (default: the training config's, "
+        "else 1).", ge=1, le=MAX_BATCH)
+    reserve_gb: float = option(4.0, "CUDA context, NCCL and fragmentation, GiB per GPU.", ge=0, le=1 << 20)
+    logits_chunk: Optional[int] = option(
+        None, "Tokens per log-prob/entropy chunk (default: the training config's, else 1024).", ge=1, le=MAX_TOKENS)
+    distributed_optimizer: Optional[bool] = option(
+        None, "Optimizer state sharded over DP (default: the training config's optim.distributed, else true).")
+    tp: Optional[int] = option(None, "Show this layout's stages in detail (with pp; default with a training config: "
+                               "its layout).", ge=1, le=MAX_BATCH)
+    pp: Optional[int] = option(None, "Pipeline stages of the detailed layout.", ge=1, le=MAX_BATCH)
+    search: bool = option(False, "With a training config: list layouts instead of the config's own.")
+    all: bool = option(False, "List layouts that do not fit too.")
+
+
+def _from_config(cfg) -> dict:
+    """Defaults taken from a training config (its model, lengths, batch and layout)."""
     sglang = cfg.rollout.sglang
     colocated = cfg.rollout.engine == "sglang" and sglang.colocated
-    return cfg.model, {
+    return {
+        "model": cfg.model,
         "gpus": cfg.parallel.world_size,
         # a micro-batch is one packed row of up to max_tokens_per_microbatch tokens
         "seq_len": cfg.batch.max_tokens_per_microbatch,
@@ -566,128 +627,138 @@ def _from_config(args) -> tuple[Qwen3Config | None, dict]:
         "dedicated_servers": len(sglang.urls) or sglang.num_servers,
         "rollout_len": cfg.data.max_prompt_tokens + cfg.batch.max_new_tokens,
         "entropy_grad": cfg.algo.entropy_coef > 0,
+        "reference_model": cfg.algo.kl_coef > 0,
         "tp": cfg.parallel.tensor_parallel,
         "pp": cfg.parallel.pipeline_parallel,
     }
 
 
-def _pick(args, defaults: dict, name: str, fallback):
-    value = getattr(args, name)
+def _pick(cfg: PlanConfig, defaults: dict, name: str, fallback):
+    value = getattr(cfg, name)
     if value is not None:
         return value
     return defaults.get(name, fallback)
 
 
-def run_plan(args) -> None:
-    arch, defaults = _from_config(args)
-    if args.model:
-        arch = build(Qwen3Config, args.model, "--model")
-    if arch is None:
-        raise ConfigError("--model: give a model preset (e.g. qwen3_32b) or --config")
-    seq_len = _pick(args, defaults, "seq_len", None)
-    if seq_len is None:
-        raise ConfigError("--seq-len: required without --config (prompt + response tokens per sequence)")
-    work = Workload(
-        seq_len=seq_len,
-        micro_batch=_pick(args, defaults, "micro_batch", 1),
-        sequences_per_minibatch=_pick(args, defaults, "sequences_per_minibatch", 512),
-        recompute=_pick(args, defaults, "recompute", "none"),
-        sequence_parallel=args.sequence_parallel or defaults.get("sequence_parallel", False),
-        kernels=args.kernels,
-        params_dtype=_pick(args, defaults, "dtype", "bfloat16"),
-        distributed_optimizer=defaults.get("distributed_optimizer", True) and not args.no_distributed_optimizer,
-        logits_chunk=_pick(args, defaults, "logits_chunk", 1024),
-        entropy_grad=defaults.get("entropy_grad", False),
+def plan_command() -> CommandConfig:
+    return CommandConfig(
+        "plan", PlanConfig, FLAGS, section="plan",
+        note="With --config (a training config), unset fields take its values; its other fields may be overridden "
+             "(e.g. batch.max_new_tokens=8192), see stapo config --docs.",
     )
-    for name in ("seq_len", "micro_batch", "sequences_per_minibatch", "logits_chunk"):
-        if getattr(work, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(work, name)}")
-    gpus = _pick(args, defaults, "gpus", None)
+
+
+def load_plan(args):
+    """(the plan section, its field names, the training config or None)."""
+    loaded = load_command(plan_command(), args)
+    train = None
+    if loaded.train_data is not None:
+        from stapo_megatron.trainer.config import TrainConfig
+
+        train = build(TrainConfig, apply_overrides(loaded.train_data, loaded.train_overrides))
+    elif loaded.train_overrides:
+        raise ConfigError(
+            f"override '{loaded.train_overrides[0]}': sets a training config field, but no --config is given")
+    return loaded.cfg, loaded.names, train
+
+
+def run_plan(args) -> None:
+    cfg, names, train = load_plan(args)
+    with names.renaming():
+        show_plan(cfg, names, train)
+
+
+def show_plan(cfg: PlanConfig, names, train) -> None:
+    from stapo_megatron.trainer.config import BatchConfig
+
+    defaults = _from_config(train) if train is not None else {}
+    arch = build(Qwen3Config, cfg.model, "plan.model") if cfg.model else defaults.get("model")
+    if arch is None:
+        raise ConfigError("plan.model: give a model preset (e.g. qwen3_32b), or a training config (--config)")
+    work = Workload(
+        seq_len=_pick(cfg, defaults, "seq_len", field_default(BatchConfig, "max_tokens_per_microbatch")),
+        micro_batch=_pick(cfg, defaults, "micro_batch", 1),
+        sequences_per_minibatch=_pick(cfg, defaults, "sequences_per_minibatch", 512),
+        recompute=_pick(cfg, defaults, "recompute", "none"),
+        sequence_parallel=_pick(cfg, defaults, "sequence_parallel", False),
+        kernels=cfg.kernels,
+        params_dtype=_pick(cfg, defaults, "dtype", "bfloat16"),
+        distributed_optimizer=_pick(cfg, defaults, "distributed_optimizer", True),
+        logits_chunk=_pick(cfg, defaults, "logits_chunk", 1024),
+        entropy_grad=defaults.get("entropy_grad", False),
+        reference_model=defaults.get("reference_model", False),
+    )
+    gpus = _pick(cfg, defaults, "gpus", None)
     if gpus is None:
-        raise ConfigError("--gpus: required without --config")
+        raise ConfigError("plan.gpus: required without a training config (--config)")
+    offload = _pick(cfg, defaults, "offload", False)
     options = {
-        "gpu_memory_gb": args.gpu_memory_gb,
-        "colocate_fraction": _pick(args, defaults, "colocate_fraction", 0.0),
-        "reserve_gb": args.reserve_gb,
-        "sglang_released": args.sglang_released or args.offload or defaults.get("sglang_released", False),
-        "offload": args.offload or defaults.get("offload", False),
+        "gpu_memory_gb": cfg.gpu_memory_gb,
+        "colocate_fraction": _pick(cfg, defaults, "colocate_fraction", 0.0),
+        "reserve_gb": cfg.reserve_gb,
+        "sglang_released": _pick(cfg, defaults, "sglang_released", False) or offload,
+        "offload": offload,
     }
-    print(f"{arch.num_parameters():,} parameters; {gpus} GPUs of {args.gpu_memory_gb:g} GiB; sequence {work.seq_len} "
+    print(f"{arch.num_parameters():,} parameters; {gpus} GPUs of {cfg.gpu_memory_gb:g} GiB; sequence {work.seq_len} "
           f"tokens x micro-batch {work.micro_batch}; recompute {work.recompute}"
           f"{' with sequence parallelism' if work.sequence_parallel else ''}; kernels {work.kernels}; "
           f"{work.params_dtype}; colocated SGLang share {options['colocate_fraction']:g}"
           f"{' (released while training)' if options['sglang_released'] else ''}"
           f"{'; trainer offloaded while generating' if options['offload'] else ''}")
-    server_tp = _pick(args, defaults, "server_tp", 1)
-    if server_tp < 1 or gpus % server_tp:
-        raise ConfigError(f"--server-tp: must be >= 1 and divide the {gpus} GPUs, got {server_tp}")
+    server_tp = _pick(cfg, defaults, "server_tp", 1)
+    if gpus % server_tp:
+        raise ConfigError(f"plan.server_tp: must be >= 1 and divide the {gpus} GPUs, got {server_tp}")
     mem_fraction = options["colocate_fraction"] or defaults.get("mem_fraction", 0.8)
     rollout_len = defaults.get("rollout_len", work.seq_len)
     print(format_capacity([
         rollout_capacity(arch, placement=placement, servers=servers, server_tp=server_tp, mem_fraction=mem_fraction,
-                         gpu_memory_gb=args.gpu_memory_gb, max_seq_len=rollout_len)
-        for placement, servers in (("colocated", gpus // server_tp), ("disaggregated", defaults.get("dedicated_servers", 1)))
+                         gpu_memory_gb=cfg.gpu_memory_gb, max_seq_len=rollout_len)
+        for placement, servers in (("colocated", gpus // server_tp),
+                                   ("disaggregated", defaults.get("dedicated_servers", 1)))
     ], arch))
-    if args.tp is not None or args.pp is not None or (args.config and not args.search):
-        tp, pp = _pick(args, defaults, "tp", 1), _pick(args, defaults, "pp", 1)
+    if cfg.tp is not None or cfg.pp is not None or (train is not None and not cfg.search):
+        tp, pp = _pick(cfg, defaults, "tp", 1), _pick(cfg, defaults, "pp", 1)
         if gpus % (tp * pp):
-            raise ConfigError(f"--gpus: {gpus} is not a multiple of TP x PP = {tp * pp}")
+            raise ConfigError(f"plan.gpus: {gpus} is not a multiple of TP x PP = {tp * pp}")
         est = estimate(arch, Layout(tp, pp, gpus // (tp * pp)), work, **options)
         print(format_stages(est))
         return
-    estimates = plan(arch, gpus, work, gpus_per_node=args.gpus_per_node, **options)
-    shown = estimates if args.all else [e for e in estimates if e.fits]
+    estimates = plan(arch, gpus, work, gpus_per_node=cfg.gpus_per_node, **options)
+    shown = estimates if cfg.all else [e for e in estimates if e.fits]
     if not shown:
         best = min(estimates, key=lambda e: e.total) if estimates else None
         hint = f" (least: TP={best.layout.tp} PP={best.layout.pp}, {best.total / GIB:.1f} GiB)" if best else ""
-        print(f"no layout of {gpus} GPUs fits in {args.gpu_memory_gb:g} GiB{hint}; try recompute full, more GPUs or a "
+        print(f"no layout of {gpus} GPUs fits in {cfg.gpu_memory_gb:g} GiB{hint}; try recompute full, more GPUs or a "
               "shorter sequence")
         return
     print(format_table(shown))
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="Qwen3 preset (qwen3_0.6b ... qwen3_32b) or a model YAML")
-    parser.add_argument("--config", default=None, help="take model, lengths, batch, recompute and layout from this training config")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides of --config")
-    parser.add_argument("--gpus", type=int, default=None, help="GPUs of the trainer (default with --config: its world size)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence, prompt + response")
-    parser.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default 1)")
-    parser.add_argument("--sequences-per-minibatch", type=int, default=None,
-                        help="sequences per optimizer step, all DP ranks (default 512 = 64 prompts x 8); bounds the "
-                             "micro-batches in flight under pipeline parallelism")
-    parser.add_argument("--recompute", choices=["none", "selective", "full"], default=None)
-    parser.add_argument("--sequence-parallel", action="store_true",
-                        help="Megatron sequence parallelism: the norm/residual activations split over TP (parallel.sequence_parallel)")
-    parser.add_argument("--kernels", choices=["te", "local"], default="te",
-                        help="te: Transformer Engine with flash attention (GPU); local: Megatron's local spec (no TE)")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="parameter dtype (default bfloat16)")
-    parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU in GiB (default 80)")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="largest TP considered (TP stays within a node)")
-    parser.add_argument("--colocate-fraction", type=float, default=None,
-                        help="fraction of each GPU held by colocated SGLang servers (their mem_fraction_static); 0: separate GPUs")
-    parser.add_argument("--sglang-released", action="store_true",
-                        help="colocated servers free their share while the trainer runs (rollout.release_memory_between_steps)")
-    parser.add_argument("--offload", action="store_true",
-                        help="the trainer's state waits in host memory while colocated servers generate "
-                             "(compute.offload_while_generating; implies --sglang-released)")
-    parser.add_argument("--server-tp", type=int, default=None,
-                        help="tensor-parallel size of each SGLang server, for the rollout capacity (default: the config's, else 1)")
-    parser.add_argument("--reserve-gb", type=float, default=4.0, help="CUDA context, NCCL and fragmentation (default 4)")
-    parser.add_argument("--logits-chunk", type=int, default=None, help="tokens per log-prob/entropy chunk (default 1024)")
-    parser.add_argument("--no-distributed-optimizer", action="store_true", help="optimizer state not sharded over DP")
-    parser.add_argument("--tp", type=int, default=None, help="show this layout's stages in detail (with --pp)")
-    parser.add_argument("--pp", type=int, default=None, help="pipeline stages of the detailed layout")
-    parser.add_argument("--search", action="store_true", help="with --config: list layouts instead of the config's own")
-    parser.add_argument("--all", action="store_true", help="list layouts that do not fit too")
+FLAGS = tuple(
+    Flag(f"--{name.replace('_', '-')}", f"plan.{name}", kind=kind)
+    for name, kind in (
+        ("model", "value"), ("gpus", "value"), ("seq_len", "value"), ("micro_batch", "value"),
+        ("sequences_per_minibatch", "value"), ("recompute", "value"), ("sequence_parallel", "true"),
+        ("kernels", "value"), ("dtype", "value"), ("gpu_memory_gb", "value"), ("gpus_per_node", "value"),
+        ("colocate_fraction", "value"), ("sglang_released", "true"), ("offload", "true"), ("server_tp", "value"),
+        ("reserve_gb", "value"), ("logits_chunk", "value"), ("tp", "value"), ("pp", "value"), ("search", "true"),
+        ("all", "true"),
+    )
+) + (Flag("--no-distributed-optimizer", "plan.distributed_optimizer", kind="false"),)
 
 
 def register(subparsers) -> None:
+    register_command_config("plan", plan_command)
     parser = subparsers.add_parser(
         "plan",
         help="per-GPU memory of a training layout and the (TP, PP, DP) layouts that fit",
         description="Estimate weights, gradients, optimizer state, activations, logits and SGLang's share per GPU "
                     "(formula: stapo_megatron/launch/plan.py).",
     )
-    add_arguments(parser)
+    add_command_arguments(
+        parser, plan_command(),
+        config_help="training config: model, lengths, batch, recompute and layout; "
+                    "its plan: section holds these fields",
+        overrides_help="dotted overrides: plan.FIELD=VALUE, or a field of the training config",
+    )
     parser.set_defaults(func=run_plan)

@@ -30,9 +30,20 @@ import shutil
 import sys
 import time
 
+from typing import Literal, Optional
+
 import yaml
 
-from stapo_megatron.config import ConfigError, load_config, to_dict
+from stapo_megatron.config import MAX_BATCH, ConfigError, option, to_dict
+from stapo_megatron.config.command import (
+    CommandConfig,
+    Flag,
+    add_command_arguments,
+    load_command,
+    load_training_config,
+    register_command_config,
+)
+from stapo_megatron.config.core import check_fields
 from stapo_megatron.launch.requeue import (
     DEFAULT_MAX_REQUEUES, DEFAULT_SIGNAL_LEAD_S, batch_script_lines, check_requeue_options, run_dir_for_batch_shell,
     time_limit_seconds,
@@ -48,6 +59,7 @@ _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # What shlex.quote leaves as it is: a value of only these characters reads the same to bash and sbatch, quoted or not.
 _SHELL_SAFE = re.compile(r"[\w@%+=:,./-]+", re.ASCII)
 _CONFIG_EOF = "STAPO_RESOLVED_CONFIG_EOF"
+SUBMIT_SECTION = "submit"  # the key of the command's own fields in a training config file
 
 
 def import_nemo_run(command: str):
@@ -67,34 +79,58 @@ def nemo_console_to_stderr():
 
 
 @dataclasses.dataclass
-class SubmitOptions:
-    config: str | None
-    overrides: list[str]
-    executor: str = "slurm"
-    nodes: int = 1
-    gpus_per_node: int | None = None
-    procs_per_node: int | None = None
-    partition: str | None = None
-    account: str | None = None
-    time: str = DEFAULT_TIME
-    signal_lead: int | None = None  # None: requeue.DEFAULT_SIGNAL_LEAD_S (slurm only)
-    max_requeues: int | None = None  # None: requeue.DEFAULT_MAX_REQUEUES (slurm only)
-    cpus_per_task: int | None = None
-    exclusive: bool = False
-    container_image: str | None = None
-    mounts: list[str] = dataclasses.field(default_factory=list)
-    env: list[str] = dataclasses.field(default_factory=list)
-    job_name: str | None = None
-    tunnel: str = "local"
-    host: str | None = None
-    user: str | None = None
-    port: int | None = None
-    identity: str | None = None
-    remote_job_dir: str | None = None
-    workdir: str | None = None
-    check_files: bool | None = None  # None: check unless the job runs behind an SSH tunnel
-    dryrun: bool = False
-    wait: bool = False
+class SubmitConfig:
+    """``stapo submit``'s fields: the ``submit:`` section of the training config, or the command line."""
+
+    executor: Literal["slurm", "local"] = option(
+        "slurm", "slurm: NeMo-Run's SlurmExecutor (torchrun launcher); local: NeMo-Run's LocalExecutor, here.")
+    nodes: int = option(1, "Nodes (slurm).", ge=1, le=MAX_BATCH)
+    gpus_per_node: Optional[int] = option(
+        None, "GPUs per node, one rank each (default: the config's world size / nodes); 0: CPU nodes.", ge=0, le=MAX_BATCH)
+    procs_per_node: Optional[int] = option(
+        None, "Ranks per node (default: gpus_per_node); required with gpus_per_node 0.", ge=1, le=MAX_BATCH)
+    partition: Optional[str] = option(None, "SLURM partition.")
+    account: Optional[str] = option(None, "SLURM account to charge (required for slurm).")
+    time: str = option(DEFAULT_TIME, "SLURM time limit.")
+    signal_lead: Optional[int] = option(
+        None, "Slurm: the job is signalled this many seconds before its time limit and the run checkpoints and stops "
+        "after its current step; give more than a step and a checkpoint take "
+        f"(default {DEFAULT_SIGNAL_LEAD_S}, or a quarter of time if shorter).")
+    max_requeues: Optional[int] = option(
+        None, "Slurm: a job that ends before run.steps (stopped for its time limit, a hang, a failure) requeues itself "
+        f"and resumes from its latest checkpoint, at most this many times (default {DEFAULT_MAX_REQUEUES}; 0: never).")
+    cpus_per_task: Optional[int] = option(None, "CPUs for each node's task (torchrun and its ranks).", ge=1, le=MAX_BATCH)
+    exclusive: bool = option(False, "Whole nodes (slurm).")
+    container_image: Optional[str] = option(None, "Container image (pyxis/enroot); the job dir is mounted at /nemo_run.")
+    mounts: list[str] = option([], "Container mounts, SRC:DST or SRC:DST:FLAGS.")
+    env: list[str] = option([], "Job environment, NAME=VALUE each.")
+    job_name: Optional[str] = option(None, "Experiment and job name (default: run.name).")
+    tunnel: Literal["local", "ssh"] = option(
+        "local", "local: sbatch on this machine (a login node); ssh: through host.")
+    host: Optional[str] = option(None, "Login node (with tunnel ssh).")
+    user: Optional[str] = option(None, "User on the login node (with tunnel ssh).")
+    port: Optional[int] = option(None, "SSH port.", ge=1, le=65535)
+    identity: Optional[str] = option(None, "SSH private key.")
+    remote_job_dir: Optional[str] = option(None, "Experiments directory on the cluster (with tunnel ssh).")
+    workdir: Optional[str] = option(
+        None, "Directory the job runs in, where relative config paths resolve (default: this directory when the job "
+        "shares this file system, else NeMo-Run's job directory).")
+    check_files: Optional[bool] = option(
+        None, "Check that the config's files exist here (default: true, except with tunnel ssh, where paths may exist "
+        "only on the cluster).")
+    dryrun: bool = option(False, "Print the sbatch script (local: the job script); submit nothing.")
+    wait: bool = option(False, "Slurm: wait for the job to end (default: return once submitted).")
+
+    def __post_init__(self):
+        check_fields(self)  # also when built directly, not by the command line
+
+
+@dataclasses.dataclass
+class SubmitOptions(SubmitConfig):
+    """A submission: the training config (file and dotted overrides, as for ``stapo train``) and how to run it."""
+
+    config: Optional[str] = None  # None: the packaged tiny_cpu.yaml
+    overrides: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -113,7 +149,7 @@ def load_submitted_config(options: SubmitOptions) -> TrainConfig:
     from stapo_megatron.trainer.validation import check_train_config
 
     check_files = options.check_files if options.check_files is not None else options.tunnel != "ssh"
-    cfg = load_config(TrainConfig, options.config or default_config_path(), options.overrides)
+    cfg = load_training_config(TrainConfig, options.config or default_config_path(), options.overrides)
     check_train_config(cfg, files=check_files)
     return cfg
 
@@ -124,15 +160,9 @@ def resolve_processes(options: SubmitOptions, cfg: TrainConfig) -> Processes:
     world = p.world_size
     layout = (f"tensor x pipeline x context x data parallel = {p.tensor_parallel} x {p.pipeline_parallel} x "
               f"{p.context_parallel} x {p.data_parallel} = {world}")
-    if options.nodes < 1:
-        raise ConfigError(f"--nodes: must be >= 1, got {options.nodes}")
     if options.executor == "local" and options.nodes != 1:
         raise ConfigError(f"--nodes: the local executor runs on this machine only (1 node), got {options.nodes}")
     gpus, procs = options.gpus_per_node, options.procs_per_node
-    if gpus is not None and gpus < 0:
-        raise ConfigError(f"--gpus-per-node: must be >= 0, got {gpus}")
-    if procs is not None and procs < 1:
-        raise ConfigError(f"--procs-per-node: must be >= 1, got {procs}")
     if procs is None:
         if gpus == 0:
             raise ConfigError("--procs-per-node: required on CPU nodes (--gpus-per-node 0): processes per node")
@@ -219,8 +249,6 @@ def check_one_line(flag: str, value: str) -> None:
 
 
 def check_options(options: SubmitOptions) -> None:
-    if options.executor not in ("slurm", "local"):
-        raise ConfigError(f"--executor: {options.executor!r} is not slurm or local")
     if options.workdir is not None:
         check_one_line("--workdir", options.workdir)
     if options.job_name is not None and not _JOB_NAME.fullmatch(options.job_name):
@@ -244,14 +272,10 @@ def check_options(options: SubmitOptions) -> None:
                         *(("--mounts", mount) for mount in options.mounts)):
         if value is not None:
             check_unquoted(flag, value)
-    if options.tunnel not in ("local", "ssh"):
-        raise ConfigError(f"--tunnel: {options.tunnel!r} is not local or ssh")
     if options.tunnel == "ssh":
         for flag, value in (("--host", options.host), ("--user", options.user), ("--remote-job-dir", options.remote_job_dir)):
             if not value:
                 raise ConfigError(f"{flag}: required with --tunnel ssh")
-    if options.cpus_per_task is not None and options.cpus_per_task < 1:
-        raise ConfigError(f"--cpus-per-task: must be >= 1, got {options.cpus_per_task}")
     check_requeue_options(signal_lead_s(options), max_requeues(options), options.time)
 
 
@@ -484,65 +508,49 @@ def _dryrun_text(options: SubmitOptions, job) -> str:
 # ---- the command ----------------------------------------------------------------------------
 
 
-def options_from_args(args) -> SubmitOptions:
-    return SubmitOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SubmitOptions)})
+def submit_command() -> CommandConfig:
+    return CommandConfig(
+        "submit", SubmitConfig, FLAGS, section=SUBMIT_SECTION,
+        note="The other dotted overrides and the rest of --config are the training config, as for stapo train "
+             "(stapo config --docs).",
+    )
+
+
+def options_from_args(args) -> tuple[SubmitOptions, object]:
+    """The submission and the names of its fields as the user spelled them."""
+    loaded = load_command(submit_command(), args)
+    own = {f.name: getattr(loaded.cfg, f.name) for f in dataclasses.fields(SubmitConfig)}
+    return SubmitOptions(**own, config=args.config, overrides=loaded.train_overrides), loaded.names
 
 
 def run_submit(args) -> None:
-    code = submit(options_from_args(args))
+    options, names = options_from_args(args)
+    with names.renaming():
+        code = submit(options)
     if code:
         raise SystemExit(code)
 
 
-def add_arguments(parser) -> None:
-    parser.add_argument("--config", default=None, help="training config (default: the packaged tiny_cpu.yaml)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, as for stapo train (e.g. run.steps=100)")
-    parser.add_argument("--executor", choices=["slurm", "local"], default="slurm")
-    parser.add_argument("--nodes", type=int, default=1, help="nodes (slurm; default 1)")
-    parser.add_argument("--gpus-per-node", type=int, default=None,
-                        help="GPUs per node, one rank each (default: the config's world size / nodes); 0: CPU nodes")
-    parser.add_argument("--procs-per-node", type=int, default=None,
-                        help="ranks per node (default: --gpus-per-node); required with --gpus-per-node 0")
-    parser.add_argument("--partition", default=None)
-    parser.add_argument("--account", default=None, help="SLURM account (required for slurm)")
-    parser.add_argument("--time", default=DEFAULT_TIME, help=f"time limit (default {DEFAULT_TIME})")
-    parser.add_argument("--signal-lead", type=int, default=None, metavar="SECONDS",
-                        help="slurm: the job is signalled this long before its time limit and the run checkpoints and stops "
-                             "after its current step; give more than a step and a checkpoint take "
-                             f"(default {DEFAULT_SIGNAL_LEAD_S}, or a quarter of --time if shorter)")
-    parser.add_argument("--max-requeues", type=int, default=None, metavar="N",
-                        help="slurm: a job that ends before run.steps (stopped for its time limit, a hang, a failure) "
-                             f"requeues itself and resumes from its latest checkpoint, at most N times (default {DEFAULT_MAX_REQUEUES}; 0: never)")
-    parser.add_argument("--cpus-per-task", type=int, default=None, help="CPUs for each node's task (torchrun and its ranks)")
-    parser.add_argument("--exclusive", action="store_true", help="whole nodes")
-    parser.add_argument("--container-image", default=None, help="container image (pyxis/enroot); the job dir is mounted at /nemo_run")
-    parser.add_argument("--mounts", action="append", default=[], metavar="SRC:DST", help="container mount; repeat the flag")
-    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="job environment; repeat the flag")
-    parser.add_argument("--job-name", default=None, help="experiment and job name (default: run.name)")
-    parser.add_argument("--tunnel", choices=["local", "ssh"], default="local",
-                        help="local: sbatch on this machine (a login node); ssh: through --host")
-    parser.add_argument("--host", default=None, help="login node (with --tunnel ssh)")
-    parser.add_argument("--user", default=None, help="user on the login node (with --tunnel ssh)")
-    parser.add_argument("--port", type=int, default=None, help="SSH port")
-    parser.add_argument("--identity", default=None, help="SSH private key")
-    parser.add_argument("--remote-job-dir", default=None, help="experiments directory on the cluster (with --tunnel ssh)")
-    parser.add_argument("--workdir", default=None,
-                        help="directory the job runs in, where relative config paths resolve (default: this directory when the "
-                             "job shares this file system, else NeMo-Run's job directory)")
-    parser.add_argument("--check-files", dest="check_files", action="store_true", default=None,
-                        help="check that the config's files exist here (the default, except with --tunnel ssh)")
-    parser.add_argument("--no-check-files", dest="check_files", action="store_false",
-                        help="do not check that the config's files exist here (paths that exist only on the cluster)")
-    parser.add_argument("--dryrun", action="store_true", help="print the sbatch script (local: the job script); submit nothing")
-    parser.add_argument("--wait", action="store_true", help="slurm: wait for the job to end (default: return once submitted)")
+_FLAG_KINDS = {"exclusive": "true", "mounts": "append", "env": "append", "dryrun": "true", "wait": "true"}
+FLAGS = tuple(
+    Flag(f"--{f.name.replace('_', '-')}", f"{SUBMIT_SECTION}.{f.name}", kind=_FLAG_KINDS.get(f.name, "value"))
+    for f in dataclasses.fields(SubmitConfig) if f.name != "check_files"
+) + (Flag("--check-files", f"{SUBMIT_SECTION}.check_files", kind="true"),
+     Flag("--no-check-files", f"{SUBMIT_SECTION}.check_files", kind="false"))
 
 
 def register(subparsers) -> None:
+    register_command_config("submit", submit_command)
     parser = subparsers.add_parser(
         "submit",
         help="submit stapo train to SLURM (or run it locally) through NeMo-Run",
-        description="Check a training config, copy it resolved into a NeMo-Run job directory and run `stapo train` on it "
-                    "with SLURM (torchrun launcher) or locally.",
+        description="Check a training config, copy it resolved into a NeMo-Run job directory and run `stapo train` "
+                    "on it with SLURM (torchrun launcher) or locally.",
     )
-    add_arguments(parser)
+    add_command_arguments(
+        parser, submit_command(),
+        config_help="training config (default: the packaged tiny_cpu.yaml); its submit: section holds these fields",
+        overrides_help="dotted overrides: submit.FIELD=VALUE, or a training config field as for stapo train "
+                       "(e.g. run.steps=100)",
+    )
     parser.set_defaults(func=run_submit)

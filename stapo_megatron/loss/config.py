@@ -1,6 +1,6 @@
 """Every knob of the RL algorithm: token rule, clipping, KL/entropy terms, aggregation, advantages.
 
-Presets in ``configs/algo/`` (stapo, grpo, dapo, entropy20, justrl) set only these fields.
+Presets in ``configs/algo/`` (stapo, grpo, dapo, entropy20, justrl, grpo_kl, clip_cov, kl_cov, gspo) set only these fields.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import dataclasses
 from typing import Literal, Optional
 
 from stapo_megatron.config.core import MAX_TOKENS, ConfigError, option
+from stapo_megatron.loss.objectives import OBJECTIVES
 from stapo_megatron.loss.token_rules import TOKEN_RULES
 
 
@@ -20,7 +21,8 @@ class AlgoConfig:
     token_rule: str = option(
         "s2t",
         "Token rule (registry key in loss.token_rules): 's2t' silences spurious tokens (STAPO), "
-        "'high_entropy' keeps the top entropy tokens (20-Entropy), 'all' keeps every response token.",
+        "'high_entropy' keeps the top entropy tokens (20-Entropy), 'stare' reweights high-surprisal tokens "
+        "under an entropy gate (STARE), 'all' keeps every response token.",
     )
     # --- S2T ---
     tau_p: float = option(0.002, "S2T: a token is rare when its probability is below tau_p.", gt=0, le=1)
@@ -45,8 +47,39 @@ class AlgoConfig:
     top_fraction: float = option(
         0.2, "high_entropy rule: fraction of response tokens kept, by highest entropy.", gt=0, le=1
     )
+    # --- STARE (arXiv 2606.19236, github.com/hp-luo/STARE; see loss.related_rules) ---
+    stare_variant: Literal["O1", "C2"] = option(
+        "O1",
+        "stare rule: O1 weights only L+ (the highest-surprisal tokens of A > 0 responses) by stare_weight_w; "
+        "C2 also weights L- (those of A < 0 responses) by stare_weight_m.",
+    )
+    stare_top_fraction: float = option(
+        0.1,
+        "stare rule: P, the fraction of the A > 0 (and, for C2, A < 0) response tokens with the highest "
+        "surprisal -log p that form L+ (L-): ceil(P n) of n, over the threshold scope.",
+        gt=0,
+        le=1,
+    )
+    stare_weight_w: float = option(
+        1.1, "stare rule: W, the weight of each L+ token's loss (> 1 raises entropy; 14B/32B: 1.05).", gt=0
+    )
+    stare_weight_m: float = option(
+        0.9, "stare rule: M, the weight of each L- token's loss, variant C2 only (14B/32B: 0.95).", gt=0
+    )
+    stare_target_entropy: float = option(
+        0.3,
+        "stare rule: H_tgt of the closed-loop gate; a step reweights only when the mean policy entropy over "
+        "its response tokens (policy/entropy, old policy) is below it, else it is plain GRPO.",
+        ge=0,
+    )
     # --- objective ---
-    eps_low: float = option(0.2, "Clip range below: the ratio is clipped at 1 - eps_low.", ge=0, lt=1)
+    eps_low: float = option(
+        0.2,
+        "Clip range below: the ratio is clipped at 1 - eps_low (1: no lower clip, as the Clip-Cov "
+        "recipe's clip_ratio_low = 1).",
+        ge=0,
+        le=1,
+    )
     eps_high: float = option(
         0.28, "Clip range above (clip-higher): the ratio is clipped at 1 + eps_high.", ge=0
     )
@@ -64,13 +97,58 @@ class AlgoConfig:
         le=80,
     )
     kl_coef: float = option(
-        0.0, "Weight of the k3 KL term to the reference policy (0: no reference model).", ge=0
+        0.0,
+        "Weight of the KL penalty to a frozen reference model (the run's initial weights), added to each "
+        "kept token's loss (DeepSeekMath's GRPO: 0.04). > 0 builds the reference and runs its forward pass "
+        "every step; 0: no reference model.",
+        ge=0,
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = option(
+        "k3",
+        "KL penalty estimator of KL(pi || pi_ref) from r = pi_ref / pi (Schulman 2020): k1 = -log r "
+        "(veRL kl_penalty 'kl'), k2 = (log r)^2 / 2 ('mse'), k3 = r - 1 - log r ('low_var_kl', "
+        "DeepSeekMath's; without veRL's [-10, 10] clamp of the value). Read only when kl_coef > 0.",
     )
     entropy_coef: float = option(0.0, "Weight of the entropy bonus (0: entropy carries no gradient).", ge=0)
     aggregation: Literal["token_mean", "seq_mean_token_mean"] = option(
         "token_mean",
         "token_mean: loss summed over kept tokens / kept tokens of the whole mini-batch; "
         "seq_mean_token_mean: each sequence's token mean, averaged over sequences.",
+    )
+    # --- policy objective (loss.objectives) ---
+    objective: str = option(
+        "ppo_clip",
+        "Policy objective (registry key in loss.objectives): 'ppo_clip' is the token-level clipped "
+        "surrogate; 'clip_cov' and 'kl_cov' (Cui et al. 2025) detach / KL-penalise a few high-covariance "
+        "tokens, the covariance taken over the tokens of one loss call (a micro-batch on its rank, as the "
+        "reference code; kl_cov has no ratio clip, so eps_low, eps_high and clip_ratio_c do not act in it); "
+        "'gspo' (Zheng et al. 2025) clips the sequence ratio and needs aggregation seq_mean_token_mean.",
+    )
+    clip_cov_ratio: float = option(
+        2e-4,
+        "clip_cov: fraction of the loss call's tokens whose gradient is detached, at least 1 (reference "
+        "code and verl: 2e-4).",
+        gt=0,
+        le=1,
+    )
+    clip_cov_lb: float = option(
+        1.0,
+        "clip_cov: a candidate's covariance must exceed this (reference code and verl: 1.0); the method "
+        "targets high positive covariance, so it is >= 0.",
+        ge=0,
+    )
+    clip_cov_ub: float = option(
+        5.0, "clip_cov: a candidate's covariance must stay below this (reference code and verl: 5.0).", gt=0
+    )
+    kl_cov_ratio: float = option(
+        2e-3,
+        "kl_cov: fraction of the loss call's tokens, by largest covariance, that get the |log r| penalty, "
+        "at least 1 (authors' code: k_percent 0.2 %, i.e. 2e-3; verl's default 2e-4).",
+        gt=0,
+        le=1,
+    )
+    kl_cov_coef: float = option(
+        1.0, "kl_cov: weight of |log(pi / pi_old)| on the selected tokens (authors' ppo_kl_coef: 1).", ge=0
     )
     # --- advantages and rewards ---
     advantage_scale: Literal["std", "none"] = option(
@@ -119,3 +197,12 @@ class AlgoConfig:
     def __post_init__(self):
         if self.token_rule not in TOKEN_RULES:
             raise ConfigError(f"token_rule: unknown rule '{self.token_rule}' (known: {', '.join(sorted(TOKEN_RULES))})")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"objective: unknown objective '{self.objective}' (known: {', '.join(sorted(OBJECTIVES))})")
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ConfigError(f"clip_cov_lb: {self.clip_cov_lb} must be below clip_cov_ub ({self.clip_cov_ub})")
+        if self.objective == "gspo" and self.aggregation != "seq_mean_token_mean":
+            raise ConfigError(
+                "aggregation: objective gspo averages each sequence's token terms (its sequence objective; "
+                "verl hard-codes seq-mean-token-mean), set aggregation: seq_mean_token_mean"
+            )

@@ -5,9 +5,9 @@ Per token t with weight w_t (``keep``), ratio r = exp(clamp(logprob - old_logpro
 c = ``log_ratio_clamp`` (veRL's +-20), advantage A and rollout-correction factor rho_t
 (:mod:`.rollout_correction`; 1 without it):
 
-    pg_t = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
+    pg_t = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))     (objective ppo_clip; see .objectives for the others)
     pg_t = min(pg_t, -A clip_ratio_c)           where A < 0 (dual-clip, veRL's clip_ratio_c)
-    l_t  = rho_t pg_t + kl_coef * k3(ref || current) - entropy_coef * H_t
+    l_t  = rho_t pg_t + kl_coef * k(log(pi_ref / pi)) - entropy_coef * H_t    (k: kl_estimate's k1/k2/k3)
 
 Masked importance sampling (``mis_*``) removes the tokens it rejects from both sums below.
 
@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from stapo_megatron.loss.metrics import Reduction, declare
+from stapo_megatron.loss.objectives import SurrogateInputs, get_objective
 from stapo_megatron.loss.rollout_correction import rollout_correction as correction_for
 from stapo_megatron.loss.rollout_correction import sequence_sums
 from stapo_megatron.loss.token_rules import broadcast_advantages
@@ -34,6 +36,31 @@ METRIC_DTYPE = torch.float64  # counts summed over a mini-batch exceed fp32's ex
 def k3(log_ratio: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(q || p) from log(p/q) at samples of q: exp(x) - x - 1 >= 0."""
     return torch.expm1(log_ratio) - log_ratio
+
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_estimate(log_ratio: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from x = log r = log(pi_ref / pi) at tokens sampled
+    from pi (Schulman, "Approximating KL Divergence", 2020; the tokens come from the rollout
+    policy, the usual approximation of samples of pi):
+
+    - k1 = -x: unbiased, high variance, negative on some tokens (veRL ``kl_penalty: kl``);
+    - k2 = x^2 / 2: biased (exact to second order in x), low variance, >= 0 (veRL ``mse``);
+    - k3 = r - 1 - x: unbiased, low variance, >= 0 (veRL ``low_var_kl``; DeepSeekMath's GRPO).
+
+    No clamp of the value: veRL's ``low_var_kl`` clamps k3 to [-10, 10], which silently drops the
+    gradient of exactly the tokens that have drifted furthest from the reference; ``policy_loss``
+    clamps x itself (to +-``log_ratio_clamp``, veRL's +-20 before its exp), which only keeps exp finite.
+    """
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "k3":
+        return k3(log_ratio)
+    raise ValueError(f"kl_estimator: {estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
 
 
 def _check_shape(name: str, tensor: Optional[torch.Tensor], like: torch.Tensor) -> None:
@@ -52,6 +79,7 @@ def policy_loss(
     log_ratio_clamp: float = 20.0,
     ref_logprob: Optional[torch.Tensor] = None,
     kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
     entropy: Optional[torch.Tensor] = None,
     entropy_coef: float = 0.0,
     aggregation: str = "token_mean",
@@ -63,20 +91,28 @@ def policy_loss(
     rollout_correction_cap: float = 2.0,
     rollout_correction_floor: Optional[float] = None,
     segment_ids: Optional[torch.Tensor] = None,
+    objective: str = "ppo_clip",
+    objective_cfg=None,
+    objective_seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """(loss_sum, num_tokens, metrics) of one micro-batch; see the module docstring.
 
     ``advantages``: per token or per sequence. ``keep``: per-token weight (0 on padding and on
-    silenced tokens). ``entropy`` must carry a gradient when ``entropy_coef`` > 0. ``response_mask``
+    silenced tokens). ``ref_logprob``: the frozen reference's log-probs of the same tokens, for the
+    ``kl_estimator`` term (:func:`kl_estimate`) weighted by ``kl_coef`` and the ``ref_kl_sum``
+    metric. ``entropy`` must carry a gradient when ``entropy_coef`` > 0. ``response_mask``
     (default: the tokens with ``keep`` > 0), ``candidates`` and ``tau_h`` only feed the metrics.
     ``rollout_logprob``: the engine's sampled log-probs, needed when ``rollout_correction`` is not
     ``none`` (see :mod:`.rollout_correction`; ``cap`` and ``floor`` are its bounds).
     ``segment_ids``: each token's sequence, for packed rows (several sequences in one row); without
     it each row of a 2-D ``logprob`` is one sequence. Only the per-sequence terms read it.
+    ``objective``: the policy-gradient term pg_t (:mod:`.objectives`; ``ppo_clip`` is the formula
+    above), with its parameters read from ``objective_cfg`` (AlgoConfig fields) and its random
+    choices seeded by ``objective_seed`` (the same on every TP rank).
 
     ``num_tokens`` is an int32 scalar tensor. ``metrics`` are fp64 scalar tensors that add up over
-    micro-batches and ranks (:func:`~stapo_megatron.loss.metrics.reduce_metrics`): counts and sums,
-    except keys ending in ``_max``/``_min``, which reduce by max/min.
+    micro-batches and ranks (:func:`~stapo_megatron.loss.metrics.reduce_metrics`), each by the
+    reduction declared above :func:`_metrics`.
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation: {aggregation!r} is not one of {', '.join(AGGREGATIONS)}")
@@ -86,6 +122,8 @@ def policy_loss(
         _check_shape(name, t, logprob)
     if kl_coef and ref_logprob is None:
         raise ValueError("ref_logprob: needed when kl_coef > 0")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator: {kl_estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
     if clip_ratio_c <= 1:
         raise ValueError(f"clip_ratio_c: must be > 1 (dual-clip caps -A r at -A clip_ratio_c), got {clip_ratio_c}")
     if rollout_correction != "none" and rollout_logprob is None:
@@ -113,18 +151,18 @@ def policy_loss(
     # ratio that would overflow exp on a kept token.
     log_ratio = torch.where(active, logprob.float() - old_logprob.float(), zero)
     log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
-    ratio = torch.exp(log_ratio)
-    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    pg_clipped = torch.maximum(-advantages * ratio, -advantages * clipped)
-    dual_cap = -advantages * clip_ratio_c
-    dual_clipped = (advantages < 0) & (pg_clipped > dual_cap)
-    pg = torch.where(advantages < 0, torch.minimum(pg_clipped, dual_cap), pg_clipped)
+    surrogate = get_objective(objective).surrogate(SurrogateInputs(
+        logprob, log_ratio, advantages, active, eps_low, eps_high, clip_ratio_c, log_ratio_clamp,
+        segment_ids, objective_cfg, objective_seed,
+    ))
+    ratio, pg, dual_clipped = surrogate.ratio, surrogate.pg, surrogate.dual_clipped
     if correction is not None:
         pg = pg * correction.weight
     per_token = pg
     ref_kl = None
     if ref_logprob is not None:
-        ref_kl = k3(torch.where(active, ref_logprob.float() - logprob.float(), zero))
+        ref_log_ratio = torch.where(active, ref_logprob.float() - logprob.float(), zero)
+        ref_kl = kl_estimate(ref_log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp), kl_estimator)
         if kl_coef:
             per_token = per_token + kl_coef * ref_kl
     if entropy_coef:
@@ -146,12 +184,41 @@ def policy_loss(
 
     with torch.no_grad():
         metrics = _metrics(
-            active, rule_kept, weight, ratio, advantages, pg, log_ratio, eps_low, eps_high, dual_clipped,
+            active, rule_kept, weight, ratio, advantages, pg, log_ratio, *surrogate.clip_range, dual_clipped,
             real, candidates, tau_h, entropy, ref_kl, logprob, correction,
         )
+        metrics.update(surrogate.metrics)
         if aggregation == "seq_mean_token_mean":
             metrics["sequences"] = num_tokens.to(METRIC_DTYPE)
     return loss_sum, num_tokens, metrics
+
+
+# The raw metrics of one micro-batch (:func:`_metrics`), combined over micro-batches and ranks by
+# these reductions; the update's ``summarize_loss_metrics`` forms the logged means from them.
+declare(Reduction.SUM, {
+    "response_tokens": "response tokens (with the left-out zero-advantage ones, which the update adds)",
+    "kept_tokens": "tokens in the loss: kept by the token rule and the rollout correction (the token_mean denominator)",
+    "silenced_tokens": "response tokens the token rule silenced",
+    "pg_loss_sum": "sum over kept tokens of the weighted policy-gradient term",
+    "clip_low_tokens": "kept tokens with A < 0 and ratio < 1 - eps_low (the clip removes their gradient)",
+    "clip_high_tokens": "kept tokens with A > 0 and ratio > 1 + eps_high (the clip removes their gradient)",
+    "dual_clip_tokens": "kept tokens with A < 0 whose loss the dual-clip caps",
+    "approx_kl_sum": "sum over kept tokens of k3(old || current)",
+    "ratio_sum": "sum over kept tokens of the importance ratio",
+    "candidate_tokens": "S2T candidates of the token rule",
+    "silenced_candidate_tokens": "S2T candidates the rule silenced",
+    "tau_h_sum": "sum over micro-batches with a finite entropy threshold of that threshold",
+    "tau_h_count": "micro-batches with a finite entropy threshold",
+    "entropy_kept_sum": "sum over kept tokens of the current policy's entropy",
+    "entropy_silenced_sum": "sum over silenced tokens of the current policy's entropy",
+    "ref_kl_sum": "sum over kept tokens of the KL estimate against the reference policy",
+    "rollout_rejected_tokens": "rule-kept tokens the masked rollout correction rejected",
+    "rollout_truncated_tokens": "kept tokens whose rollout-correction weight was cut at the cap",
+    "rollout_weight_sum": "sum over kept tokens of the rollout-correction weight",
+    "sequences": "sequences with a kept token (the seq_mean_token_mean denominator)",
+})
+declare(Reduction.MAX, {"ratio_max": "largest importance ratio of a kept token (-inf: none)"})
+declare(Reduction.MIN, {"ratio_min": "smallest importance ratio of a kept token (inf: none)"})
 
 
 def _metrics(active, rule_kept, weight, ratio, advantages, pg, log_ratio, eps_low, eps_high, dual_clipped,

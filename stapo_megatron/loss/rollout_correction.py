@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from stapo_megatron.loss.metrics import OLD_PASS_ONLY, Reduction, declare
+
 ROLLOUT_CORRECTIONS = ("none", "tis_token", "tis_seq", "tis_geo", "mis_token", "mis_seq", "mis_geo")
 WEIGHT_LOG_CLAMP = 20.0  # verl's safety bound on IS log-weights
 MISMATCH_THRESHOLD = 1.0  # |log pi_old - log pi_rollout| above which a token counts as far off
@@ -103,21 +105,41 @@ def sequence_sums(values: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tens
     return torch.zeros(count, dtype=values.dtype, device=values.device).index_add(0, segments, flat)
 
 
+SETS = ("candidates", "rest")
+
+
+def _declare_mismatch(name: str, what: str) -> None:
+    declare(Reduction.SUM, {
+        f"mismatch_{name}_tokens": what,
+        f"mismatch_{name}_abs_sum": f"sum over {what} of |log pi_old - log pi_rollout|",
+        f"mismatch_{name}_far_tokens": f"{what} with |log pi_old - log pi_rollout| > {MISMATCH_THRESHOLD}",
+        f"mismatch/{name}_tokens": f"{what}, all data-parallel ranks" + OLD_PASS_ONLY,
+    })
+    declare(Reduction.WEIGHTED_MEAN, {
+        f"mismatch/{name}_abs_mean": f"mean |log pi_old - log pi_rollout| over {what} (0: none)" + OLD_PASS_ONLY,
+        f"mismatch/{name}_far_fraction": f"fraction of {what} with |delta log p| > {MISMATCH_THRESHOLD}" + OLD_PASS_ONLY,
+    }, weight=f"mismatch/{name}_tokens")
+
+
+_declare_mismatch("candidates", "S2T's candidates (A > 0, p_old < tau_p)")
+_declare_mismatch("rest", "the other response tokens")
+
+
 def mismatch_sums(
     old_logprob: torch.Tensor,
     rollout_logprob: torch.Tensor,
     response_mask: torch.Tensor,
     candidates: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
-    """Sums (fp64 scalars, reduced by SUM over micro-batches and ranks) of |log pi_old - log pi_rollout|
-    over S2T's candidates and over the other response tokens; :func:`summarize_mismatch` makes
-    the means and fractions from the reduced sums."""
+    """Raw metrics (fp64 scalars, declared above) of |log pi_old - log pi_rollout| over S2T's
+    candidates and over the other response tokens; :func:`summarize_mismatch` makes the means and
+    fractions from the reduced sums."""
     real = response_mask if response_mask.dtype == torch.bool else response_mask != 0
     cand = real & (candidates if candidates.dtype == torch.bool else candidates != 0)
     rest = real & ~cand
     delta = torch.where(real, old_logprob.double() - rollout_logprob.double(), 0.0).abs()
     out = {}
-    for name, part in (("candidates", cand), ("rest", rest)):
+    for name, part in zip(SETS, (cand, rest)):
         out[f"mismatch_{name}_tokens"] = part.to(METRIC_DTYPE).sum()
         out[f"mismatch_{name}_abs_sum"] = torch.where(part, delta, 0.0).sum()
         out[f"mismatch_{name}_far_tokens"] = (part & (delta > MISMATCH_THRESHOLD)).to(METRIC_DTYPE).sum()
@@ -125,15 +147,10 @@ def mismatch_sums(
 
 
 def summarize_mismatch(sums: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Logged metrics from reduced :func:`mismatch_sums`. Each is a ratio of two SUM-reduced counts
-    over the whole step (all micro-batches and data-parallel ranks):
-
-    - ``mismatch/{candidates,rest}_abs_mean``: mean |delta log p| over the set (0 when it is empty);
-    - ``mismatch/{candidates,rest}_far_fraction``: fraction of the set with |delta log p| > 1.0;
-    - ``mismatch/{candidates,rest}_tokens``: the set's size (a count: summed, never averaged).
-    """
+    """Logged metrics (declared above) from reduced :func:`mismatch_sums`: each mean or fraction is
+    a ratio of two summed counts over the whole step (0 when the set is empty)."""
     out = {}
-    for name in ("candidates", "rest"):
+    for name in SETS:
         count = float(sums[f"mismatch_{name}_tokens"])
         out[f"mismatch/{name}_tokens"] = count
         out[f"mismatch/{name}_abs_mean"] = float(sums[f"mismatch_{name}_abs_sum"]) / count if count else 0.0

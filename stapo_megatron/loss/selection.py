@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from stapo_megatron.loss.objectives import get_objective
 from stapo_megatron.loss.token_rules import TokenStats, get_token_rule
 
 
@@ -44,7 +45,9 @@ def zero_advantage_skippable(cfg) -> bool:
     forward/backward without changing the update: their policy-gradient term is -0 * r (no
     gradient), and no configured term reads them: no entropy bonus, no KL, no masked importance
     sampling (its rejections change the token count), and a token rule that keeps them all and
-    never puts them in its threshold. Their kept tokens must still be added to the loss
+    never puts them in its threshold, and an objective that does not read them (Clip-Cov and
+    KL-Cov centre their covariance on the mean advantage over every token and may pick A = 0
+    tokens; GSPO's A = 0 sequences contribute exactly 0). Their kept tokens must still be added to the loss
     denominator (the trainer does, see ``trainer/update.py``). In the ``micro_batch`` scope a
     threshold depends on which sequences share a micro-batch, which the token budget decides
     with or without them."""
@@ -53,6 +56,7 @@ def zero_advantage_skippable(cfg) -> bool:
         and cfg.kl_coef == 0
         and not cfg.rollout_correction.startswith("mis")
         and get_token_rule(cfg.token_rule).ignores_zero_advantage(cfg)
+        and not get_objective(cfg.objective).reads_zero_advantage
     )
 
 

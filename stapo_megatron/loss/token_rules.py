@@ -9,7 +9,7 @@ A rule has three methods; the trainer calls one pair per scope (see :mod:`.selec
 - ``candidates(stats, cfg)``: the tokens the rule may act on, for metrics (or None).
 
 ``cfg`` is any object with the rule's fields (:class:`~stapo_megatron.loss.config.AlgoConfig`).
-A new rule (STARE, ICT, ...) is one class registered here plus its config fields.
+A new rule is one class registered here (or in :mod:`.related_rules`, e.g. STARE) plus its config fields.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ class TokenStats:
     entropy: torch.Tensor  # H_t of the next-token distribution
     advantages: torch.Tensor  # per token [..., T] or per sequence [...]
     response_mask: torch.Tensor  # nonzero on real response tokens
+    # Mean policy entropy over every response token of the rollout step (all data-parallel ranks,
+    # old policy), for rules with an entropy gate (STARE); None where the caller has none.
+    step_entropy: Optional[float] = None
 
     def __post_init__(self):
         shape = tuple(self.logprob.shape)

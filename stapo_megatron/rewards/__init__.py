@@ -5,7 +5,14 @@ that :class:`RewardPool` starts.
 """
 
 from stapo_megatron.rewards.config import RewardConfig
-from stapo_megatron.rewards.extract import AnswerSpan, exact_answer, extract_boxed, find_last_box, normalize_exact
+from stapo_megatron.rewards.extract import (
+    AnswerSpan,
+    exact_answer,
+    extract_boxed,
+    find_last_box,
+    free_words_answer,
+    normalize_exact,
+)
 from stapo_megatron.rewards.pool import RewardPool
 from stapo_megatron.rewards.result import REASONS, RewardResult, summarize_reasons
 
@@ -18,6 +25,7 @@ __all__ = [
     "exact_answer",
     "extract_boxed",
     "find_last_box",
+    "free_words_answer",
     "normalize_exact",
     "summarize_reasons",
 ]

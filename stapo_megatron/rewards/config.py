@@ -11,12 +11,13 @@ from stapo_megatron.config.core import check_fields
 
 @dataclasses.dataclass
 class RewardConfig:
-    kind: Literal["math", "exact"] = option(
+    kind: Literal["math", "exact", "free_words"] = option(
         "math",
         "math: the last \\boxed{} of the response must be mathematically equivalent to the ground truth "
         "(math-verify on a LaTeX parser that evaluates no code, in worker processes); exact: the last box, "
         "or the whole response when it has none, must equal the answer string after whitespace "
-        "normalization (the synthetic task; needs no workers)",
+        "normalization; free_words (the synthetic task): the response must be free words w0, w1, ... then "
+        "one last word, which must equal the answer; exact and free_words need no workers",
     )
     num_workers: int = option(
         2, "worker processes that verify math answers; persistent across batches", ge=1, le=1024

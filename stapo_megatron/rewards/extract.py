@@ -99,6 +99,24 @@ def normalize_exact(text: str) -> str:
     return _WHITESPACE.sub(" ", text).strip().removesuffix(".").rstrip()
 
 
+# The free words of the synthetic task's tokenizer (stapo_megatron.data.synthetic): w0, w1, ...
+FREE_WORD = re.compile(r"w\d+")
+
+
+def free_words_answer(text: str, max_chars: int | None = None) -> AnswerSpan:
+    """The answer for the free-words reward: the response's last whitespace-separated word, when
+    every word before it is a free word (``w`` and digits); any other word before it (a digit, a
+    special token) makes the response wrong."""
+    words = text.split()
+    if not words:
+        return AnswerSpan(None, "empty_answer")
+    if not all(FREE_WORD.fullmatch(word) for word in words[:-1]):
+        return AnswerSpan(None, "wrong")
+    if max_chars is not None and len(words[-1]) > max_chars:
+        return AnswerSpan(None, "too_long")
+    return AnswerSpan(words[-1], None)
+
+
 def exact_answer(text: str, max_chars: int | None = None) -> AnswerSpan:
     """The answer for the exact-match reward: the last box if there is one, else the whole response."""
     start, _ = _last_command(text, len(text))

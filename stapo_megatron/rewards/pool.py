@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from stapo_megatron.rewards.config import RewardConfig
-from stapo_megatron.rewards.extract import exact_answer, find_last_box, normalize_exact
+from stapo_megatron.rewards.extract import exact_answer, find_last_box, free_words_answer, normalize_exact
 from stapo_megatron.rewards.result import RewardResult
 from stapo_megatron.rewards.worker import WorkerSettings
 
@@ -36,6 +36,8 @@ _STARTUP_TIMEOUT_S = 120.0
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 # -c rather than -m: runpy warns when the package (which imports the worker module) is already loaded.
 _WORKER_ENTRY = "import sys; from stapo_megatron.rewards.worker import main; sys.exit(main(sys.argv[1:]))"
+# Reward kinds scored by string comparison in this process, and how each takes the answer.
+_LOCAL_EXTRACTORS = {"exact": exact_answer, "free_words": free_words_answer}
 
 
 @dataclasses.dataclass(eq=False)
@@ -66,7 +68,8 @@ class RewardPool:
     """Rewards for batches of responses: ``score(responses, answers) -> list[RewardResult]``.
 
     ``kind="math"`` verifies the last box against the ground truth in ``num_workers`` worker
-    processes; ``kind="exact"`` compares normalized strings in this process and starts no worker.
+    processes; ``kind="exact"`` compares normalized strings, ``kind="free_words"`` the last word
+    after free words, in this process, and start no worker.
     ``worker_init`` (a picklable, module-level function) runs in each worker after its warm-up,
     before the code-evaluation guard and the first sample. Not thread-safe; close it when done
     (or use it as a context manager).
@@ -146,8 +149,8 @@ class RewardPool:
             for i, item in enumerate(items):
                 if not isinstance(item, str):
                     raise TypeError(f"RewardPool.score: {name}[{i}] is {type(item).__name__}, expected str")
-        if self.kind == "exact":
-            return [self._score_exact(response, answer) for response, answer in zip(responses, answers)]
+        if self.kind in _LOCAL_EXTRACTORS:
+            return [self._score_locally(response, answer) for response, answer in zip(responses, answers)]
 
         results: list[RewardResult | None] = [None] * len(responses)
         # Identical (answer, ground truth) pairs are verified once: groups of G samples agree often.
@@ -193,9 +196,9 @@ class RewardPool:
 
     # ------------------------------------------------------------------ internals
 
-    def _score_exact(self, response: str, answer: str) -> RewardResult:
+    def _score_locally(self, response: str, answer: str) -> RewardResult:
         started = time.perf_counter()
-        span = exact_answer(response, self.max_answer_chars)
+        span = _LOCAL_EXTRACTORS[self.kind](response, self.max_answer_chars)
         if span.reason is not None:
             return RewardResult(0.0, span.reason, None, time.perf_counter() - started)
         correct = span.answer == normalize_exact(answer)

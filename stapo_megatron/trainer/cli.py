@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 
 def run_plot(args) -> None:
     from stapo_megatron.trainer.plot import plot_runs
@@ -12,7 +14,16 @@ def run_plot(args) -> None:
 def run_inspect(args) -> None:
     from stapo_megatron.trainer.inspector import summarize
 
-    print(summarize(args.run_dir, top=args.top, examples=args.examples))
+    print(summarize(args.run_dir, top=args.top, examples=args.examples, per_step_top=args.per_step_top,
+                    max_step_rows=args.step_rows))
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def register(subparsers) -> None:
@@ -25,4 +36,8 @@ def register(subparsers) -> None:
     inspect.add_argument("run_dir")
     inspect.add_argument("--top", type=int, default=20, help="tokens to list")
     inspect.add_argument("--examples", type=int, default=3, help="example contexts per token")
+    inspect.add_argument("--per-step-top", type=positive_int, default=5,
+                         help="tokens listed per row of the per-step comparison with the paper's token classes")
+    inspect.add_argument("--step-rows", type=positive_int, default=20,
+                         help="most rows of the per-step comparison; more dumps are grouped into step ranges")
     inspect.set_defaults(func=run_inspect)

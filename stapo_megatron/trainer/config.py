@@ -124,7 +124,8 @@ class ComputeConfig:
     )
     offload_while_generating: bool = option(
         False,
-        "Move the trainer's parameters, gradient buffers and optimizer state to (pinned) host memory while the "
+        "Move the trainer's parameters, gradient buffers and optimizer state (and the KL penalty's reference "
+        "model, when algo.kl_coef > 0) to (pinned) host memory while the "
         "colocated rollout servers generate, and back for the update, so the servers can take most of each GPU "
         "(rollout.sglang.mem_fraction_static ~0.8); the servers release their memory while the trainer trains. "
         "Needs the rollout on the trainer's GPUs (rollout.sglang.placement: colocated, or the local engine).",
@@ -215,7 +216,7 @@ class TrainConfig:
     reward: RewardConfig = option(doc="How responses are scored.", factory=RewardConfig)
     rollout: RolloutConfig = option(doc="The rollout engine.", factory=RolloutConfig)
     batch: BatchConfig = option(doc="Rollout and optimizer batch sizes, sampling settings.", factory=BatchConfig)
-    algo: AlgoConfig = option(doc="The RL algorithm (a preset: stapo, grpo, dapo, entropy20, justrl).", factory=AlgoConfig)
+    algo: AlgoConfig = option(doc="The RL algorithm (a preset: stapo, grpo, dapo, entropy20, justrl, grpo_kl).", factory=AlgoConfig)
     optim: OptimConfig = option(doc="AdamW, schedule and clipping.", factory=OptimConfig)
     checkpoint: CheckpointConfig = option(doc="Saving, resuming and initial weights.", factory=CheckpointConfig)
     logging: LoggingConfig = option(doc="Metrics sinks and the spurious-token inspector.", factory=LoggingConfig)

@@ -92,8 +92,64 @@ def read_dumps(run_dir: str | os.PathLike) -> list[dict]:
     return entries
 
 
-def summarize(run_dir: str | os.PathLike, top: int = 20, examples: int = 3) -> str:
-    """The most frequently silenced tokens, with mean probability and entropy and example contexts."""
+# The token classes that the STAPO paper (arXiv 2602.15620) names among the most frequent spurious
+# tokens of Qwen3 on real math text: digits, "$" and "x" (as issue 12 item 6 quotes the paper; the
+# passage itself was not in the stored copies of the paper searched here). A token belongs to a
+# class by its decoded text without surrounding whitespace (Qwen's " x" is "x").
+PAPER_CLASSES = ("digit", "$", "x")
+
+
+def paper_class(token: str) -> str | None:
+    """The paper's class of a decoded token ("digit", "$" or "x"), or None."""
+    text = token.strip()
+    if text and all(c in "0123456789" for c in text):
+        return "digit"
+    if text and set(text) == {"$"}:
+        return "$"
+    if text == "x":
+        return "x"
+    return None
+
+
+def step_groups(steps: list[int], max_rows: int) -> list[list[int]]:
+    """``steps`` (sorted) cut into at most ``max_rows`` runs of consecutive dumps, as even as possible."""
+    rows = min(max_rows, len(steps))
+    return [steps[len(steps) * i // rows : len(steps) * (i + 1) // rows] for i in range(rows)]
+
+
+def paper_comparison(entries: list[dict], top: int = 5, max_rows: int = 20) -> list[str]:
+    """Per dump step (or range of dump steps when there are more than ``max_rows``): the tokens
+    silenced most often, with those of the paper's classes starred, and each class's share of
+    the silenced tokens; a last row over all steps."""
+    by_step = defaultdict(list)
+    for e in entries:
+        by_step[e["step"]].append(e["token"])
+    groups = step_groups(sorted(by_step), max_rows)
+    header = f"{'steps':<13} {'silenced':>8} " + " ".join(f"{name:>7}" for name in PAPER_CLASSES) + f" {'paper':>7}  most silenced (* = the paper's classes)"
+    lines = [
+        'silenced tokens next to the STAPO paper\'s observation (digits, "$" and "x" among the most frequent',
+        "spurious tokens on real text); shares are of the silenced tokens in the row's steps:",
+        header,
+    ]
+
+    def row(label: str, tokens: list[str]) -> str:
+        counts = Counter(tokens)
+        classes = Counter(paper_class(token) for token in tokens)
+        shares = " ".join(f"{classes[name] / len(tokens):>7.1%}" for name in PAPER_CLASSES)
+        in_paper = sum(classes[name] for name in PAPER_CLASSES) / len(tokens)
+        listed = ", ".join(f"{token!r}{'*' if paper_class(token) else ''} {count}" for token, count in counts.most_common(top))
+        return f"{label:<13} {len(tokens):>8} {shares} {in_paper:>7.1%}  {listed}"
+
+    for group in groups:
+        label = str(group[0]) if len(group) == 1 else f"{group[0]}..{group[-1]}"
+        lines.append(row(label, [token for step in group for token in by_step[step]]))
+    lines.append(row("all", [e["token"] for e in entries]))
+    return lines
+
+
+def summarize(run_dir: str | os.PathLike, top: int = 20, examples: int = 3, per_step_top: int = 5, max_step_rows: int = 20) -> str:
+    """The most frequently silenced tokens, with mean probability and entropy and example
+    contexts, then the per-step comparison with the paper's token classes (:func:`paper_comparison`)."""
     entries = read_dumps(run_dir)
     if not entries:
         return f"{run_dir}: no silenced tokens recorded (see logging.inspect_every)"
@@ -105,17 +161,20 @@ def summarize(run_dir: str | os.PathLike, top: int = 20, examples: int = 3) -> s
     lines = [
         f"{len(entries)} silenced tokens in {len(steps)} dumps (steps {steps[0]}..{steps[-1]}), {len(counts)} distinct",
         "",
-        f"{'rank':>4}  {'token':<20} {'count':>7} {'share':>7} {'mean p':>9} {'mean H':>8}",
+        f"{'rank':>4}  {'token':<20} {'count':>7} {'share':>7} {'mean p':>9} {'mean H':>8}  paper class",
     ]
     for rank, (token, count) in enumerate(counts.most_common(top), start=1):
         rows = by_token[token]
         mean_p = sum(r["probability"] for r in rows) / count
         mean_h = sum(r["entropy"] for r in rows) / count
-        lines.append(f"{rank:>4}  {token!r:<20} {count:>7} {count / len(entries):>7.2%} {mean_p:>9.2e} {mean_h:>8.3f}")
+        lines.append(f"{rank:>4}  {token!r:<20} {count:>7} {count / len(entries):>7.2%} {mean_p:>9.2e} {mean_h:>8.3f}  "
+                     f"{paper_class(token) or '-'}")
     lines.append("")
     lines.append("example contexts ([[token]] is silenced):")
     for token, _ in counts.most_common(min(top, 5)):
         for row in by_token[token][:examples]:
             lines.append(f"  step {row['step']:>5} p={row['probability']:.1e} H={row['entropy']:.2f}: "
                          f"...{row['before']}[[{row['token']}]]{row['after']}...")
+    lines.append("")
+    lines.extend(paper_comparison(entries, per_step_top, max_step_rows))
     return "\n".join(lines)

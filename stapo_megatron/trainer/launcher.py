@@ -22,7 +22,8 @@ from pathlib import Path
 
 import yaml
 
-from stapo_megatron.config import ConfigError, load_config, to_dict
+from stapo_megatron.config import ConfigError, to_dict
+from stapo_megatron.config.command import load_training_config
 from stapo_megatron.runtime.launch import kill_tree, watch_launcher
 from stapo_megatron.runtime.run_files import atomic_open
 from stapo_megatron.runtime.run_lock import GUARD_FILE, LOCK_FILE, TOKEN_ENV, RunLock
@@ -44,7 +45,7 @@ def default_config_path() -> Path:
 
 def load_train_config(path: str | os.PathLike | None, overrides: list[str]) -> TrainConfig:
     """The validated config; every check that needs no process group runs here."""
-    cfg = load_config(TrainConfig, path or default_config_path(), overrides)
+    cfg = load_training_config(TrainConfig, path or default_config_path(), overrides)  # plan:/submit: are theirs
     check_train_config(cfg)
     return cfg
 
@@ -177,6 +178,70 @@ def launch(cfg: TrainConfig, lock: RunLock) -> int:
     return code
 
 
+# The summary's metrics: the mean over this many last steps, as the README quotes accuracy.
+SUMMARY_STEPS = 10
+_SUMMARY_METRICS = (("reward/accuracy", "accuracy"), ("policy/entropy", "entropy"), ("s2t/masked_fraction", "masked fraction"))
+
+
+def _newest_checkpoint(directory: Path) -> tuple[Path | None, int]:
+    """The run's newest intact checkpoint and its step (0 without one)."""
+    from stapo_megatron.checkpoint.cli import newest_intact_checkpoint
+
+    checkpoint, _ = newest_intact_checkpoint(directory)
+    return checkpoint, int(checkpoint.name.removeprefix("iter_")) if checkpoint else 0
+
+
+def run_summary(cfg: TrainConfig) -> str:
+    """Where a run stands and what it left: its final metrics, where its checkpoint, metrics, plots
+    and silenced-token dumps are, and the commands to try next."""
+    from stapo_megatron.trainer.inspector import DUMP_DIR
+    from stapo_megatron.trainer.metrics import METRICS_FILE, read_metrics
+
+    directory = cfg.run.directory
+    checkpoint, step = _newest_checkpoint(directory)
+    if step >= cfg.run.steps:
+        lines = [f"[stapo] run complete: step {step}/{cfg.run.steps} in {directory}"]
+    else:
+        lines = [f"[stapo] run stopped at step {step}/{cfg.run.steps} in {directory}; the same `stapo train` resumes it"]
+    rows = read_metrics(directory)[-SUMMARY_STEPS:]
+    means = []
+    for key, label in _SUMMARY_METRICS:
+        values = [row[key] for row in rows if isinstance(row.get(key), (int, float))]
+        if values:
+            means.append(f"{label} {sum(values) / len(values):.4g}")
+    if means:
+        lines.append(f"  last {len(rows)} steps: {', '.join(means)}")
+    plots = directory / "curves.png"
+    dumps = sorted((directory / DUMP_DIR).glob("step_*.jsonl"))
+    lines += [
+        f"  checkpoint  {checkpoint or 'none'}",
+        f"  metrics     {directory / METRICS_FILE}",
+        f"  plots       {plots}" + ("" if plots.is_file() else " (drawn by stapo plot)"),
+        f"  spurious    {directory / DUMP_DIR}/ ({len(dumps)} dumps; logging.inspect_every sets how often)",
+        "next:",
+        f"  stapo plot {directory}",
+        f"  stapo inspect {directory}",
+    ]
+    if checkpoint:
+        if not cfg.data.is_synthetic:  # the benchmarks are math problems: a synthetic-task model cannot read them
+            lines.append(f"  stapo eval --model {checkpoint} --data-dir {cfg.eval.data_dir or 'BENCHMARK_DIR'}")
+        lines.append(f"  stapo convert megatron-to-hf --ckpt {checkpoint} --out {directory / 'hf'}")
+    return "\n".join(lines)
+
+
+def _already_complete(cfg: TrainConfig) -> bool:
+    """Whether the run's newest intact checkpoint is at ``run.steps`` already (said, with the summary)."""
+    if cfg.checkpoint.resume == "never":
+        return False
+    _, step = _newest_checkpoint(cfg.run.directory)
+    if step < cfg.run.steps:
+        return False
+    print(f"[stapo] {cfg.run.directory}: already complete (step {step}/{cfg.run.steps}), nothing to train "
+          "(raise run.steps to train on, or --overwrite to start afresh)", flush=True)
+    print(run_summary(cfg), flush=True)
+    return True
+
+
 def run_train(args) -> None:
     # The run directory, checkpoints, configs and logs of this process and its ranks and servers:
     # this user's only (0700 directories, 0600 files).
@@ -190,10 +255,14 @@ def run_train(args) -> None:
     cfg = load_train_config(args.config, overrides)
     if _inside_launch():
         run_rank(cfg, args.overwrite)
+        if os.environ["RANK"] == "0":
+            print(run_summary(cfg), flush=True)
         return
     check_data(cfg)
     with RunLock.acquire(cfg.run.directory) as lock:
         prepare_run_directory(cfg, args.overwrite)
+        if _already_complete(cfg):
+            return
         write_resolved_config(cfg)
         if cfg.parallel.world_size > 1:
             code = launch(cfg, lock)
@@ -207,25 +276,5 @@ def run_train(args) -> None:
             code = 0
     if code:
         raise SystemExit(code)
+    print(run_summary(cfg), flush=True)
 
-
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "train",
-        help="train with STAPO (or a baseline); default: the tiny CPU run",
-        description="Train a Qwen3 policy. Without --config: the embedded tiny CPU configuration.",
-    )
-    parser.add_argument("--config", default=None, help=f"YAML config (default: the packaged {DEFAULT_CONFIG})")
-    resume = parser.add_mutually_exclusive_group()
-    resume.add_argument("--resume", dest="resume", action="store_const", const="required",
-                        help="continue from the run's latest complete checkpoint; fail if there is none "
-                             "(default: continue when one exists)")
-    resume.add_argument("--no-resume", dest="resume", action="store_const", const="never",
-                        help="start from the initial weights even if the run has checkpoints")
-    parser.set_defaults(resume=None)
-    parser.add_argument("--overwrite", action="store_true",
-                        help="start afresh in a directory with checkpoints: move the earlier run to <run>/archive/<time>/ "
-                             "first (implies --no-resume)")
-    parser.add_argument("overrides", nargs="*",
-                        help="dotted overrides, e.g. algo=grpo optim.lr=2e-6 run.steps=100 (before or after the flags)")
-    parser.set_defaults(func=run_train)

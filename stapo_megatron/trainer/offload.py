@@ -12,11 +12,14 @@ each of those references sees its old values at the same place.
 Two parts go separately because the weight sync reads the parameters: ``OPTIMIZER`` (gradient
 buffers, fp32 main parameters, Adam's state) can leave before the sync, ``PARAMS`` (the model's
 parameters and DDP's parameter buffers) only after it. A storage shared by both (fp32 training,
-where the optimizer updates the model's own parameters) belongs to ``PARAMS``.
+where the optimizer updates the model's own parameters) belongs to ``PARAMS``. The frozen
+reference model of the KL penalty (:mod:`stapo_megatron.trainer.reference`), which the weight
+sync does not read, belongs to ``OPTIMIZER``: it leaves first and comes back for the update.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterator, Literal
 
 import torch
@@ -70,8 +73,8 @@ class TrainerOffload:
     steps in a pool by size, since pinning tens of GB each step would cost more than the copy.
     """
 
-    def __init__(self, model, optimizer, device: torch.device):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model, optimizer, device: torch.device, reference: torch.nn.Module | None = None):
+        self.model, self.optimizer, self.reference = model, optimizer, reference
         self.device = torch.device(device)
         self._pin = torch.cuda.is_available()
         self._offloaded: dict[Part, list[tuple[torch.UntypedStorage, torch.Tensor]]] = {OPTIMIZER: [], PARAMS: []}
@@ -90,7 +93,8 @@ class TrainerOffload:
             chosen = params
         else:
             chosen = {}
-            for tensor in _optimizer_tensors(self.model, self.optimizer):
+            reference = self.reference.parameters() if self.reference is not None else ()
+            for tensor in itertools.chain(_optimizer_tensors(self.model, self.optimizer), reference):
                 storage = tensor.untyped_storage()
                 if storage.data_ptr() not in params:
                     chosen.setdefault(storage.data_ptr(), storage)

@@ -16,6 +16,7 @@ import torch
 from stapo_megatron.config import to_dict
 from stapo_megatron.data.prompts import response_text
 from stapo_megatron.loss import correctness_reward, dynamic_sampling_filter, group_advantages, overlong_penalty
+from stapo_megatron.loss.metrics import Reduction, declare
 from stapo_megatron.rewards import REASONS, summarize_reasons
 from stapo_megatron.rollout.engine import SamplingParams
 from stapo_megatron.trainer.batch import RolloutBatch
@@ -38,6 +39,24 @@ class _Groups:
     rewards: list[float] = dataclasses.field(default_factory=list)
     correct: list[float] = dataclasses.field(default_factory=list)
     groups: int = 0
+
+
+# The rollout metrics of a step (RolloutCollector._metrics): over every response sampled in it,
+# dynamic sampling's dropped groups and extra rounds included.
+declare(Reduction.SUM, {
+    "rollout/responses_sampled": "responses sampled",
+    "rollout/groups_kept": "groups kept for the update",
+    "rollout/groups_sampled": "groups sampled",
+    "rollout/sampling_rounds": "sampling rounds (dynamic sampling resamples)",
+})
+declare(Reduction.WEIGHTED_MEAN, {
+    "reward/mean": "mean shaped reward",
+    "reward/accuracy": "fraction of responses the reward judged correct",
+    "response/length_mean": "mean response length in tokens",
+    "response/clipped_fraction": "fraction of responses cut at max_new_tokens",
+    **{f"reward/reason_{reason}": f"fraction of responses the reward scored with reason {reason!r}" for reason in REASONS},
+}, weight="rollout/responses_sampled")
+declare(Reduction.MAX, {"response/length_max": "longest response in tokens"})
 
 
 class RolloutCollector:
@@ -114,6 +133,7 @@ class RolloutCollector:
             "reward/accuracy": sum(sampled.correct) / total,
             "response/length_mean": sum(lengths) / len(lengths),
             "response/length_max": float(max(lengths)),
+            "rollout/responses_sampled": float(len(sampled.rewards)),
             "response/clipped_fraction": sum(sampled.truncated) / total,
             "rollout/groups_kept": float(kept.groups),
             "rollout/groups_sampled": float(sampled.groups),

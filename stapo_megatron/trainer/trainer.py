@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import signal
 
 import numpy as np
@@ -12,6 +11,7 @@ import torch.distributed as dist
 from stapo_megatron.checkpoint.convert import fill_from_hf, hf_assets, load_model
 from stapo_megatron.checkpoint.hf_io import HFCheckpoint
 from stapo_megatron.data.prompts import default_stop_token_ids
+from stapo_megatron.loss.metrics import combine_steps
 from stapo_megatron.models.qwen3.parallelize import build_stage
 from stapo_megatron.runtime.distributed import init_distributed
 from stapo_megatron.trainer import megatron_fixes
@@ -22,15 +22,16 @@ from stapo_megatron.trainer.heartbeat import Heartbeat
 from stapo_megatron.trainer.inspector import SpuriousTokenDump
 from stapo_megatron.trainer.metrics import PhaseTimer
 from stapo_megatron.trainer.offload import OPTIMIZER, PARAMS, TrainerOffload
+from stapo_megatron.trainer.reference import ReferenceModel
 from stapo_megatron.trainer.rollout import RolloutController
 from stapo_megatron.trainer.update import PolicyUpdater, merge_reporter_metrics
 
 
 def build_tokenizer(cfg: TrainConfig):
     if cfg.data.is_synthetic:
-        from stapo_megatron.data.synthetic import TinyTokenizer
+        from stapo_megatron.data.synthetic import synthetic_tokenizer
 
-        return TinyTokenizer(distractors=cfg.data.synthetic_distractors)
+        return synthetic_tokenizer(cfg.data.synthetic_distractors)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.checkpoint.load_hf)
@@ -116,6 +117,7 @@ class Trainer:
         self.arch = cfg.model
         self.params_dtype = getattr(torch, cfg.compute.params_dtype)
         self.tokenizer = build_tokenizer(cfg)
+        self.tokenizer_dir = self._tokenizer_files()
         self.stop_requested = False
         # Which of the engine and the trainer holds the GPU, tracked alike on every rank (the weight
         # sync is collective); only rank 0 talks to the engine.
@@ -135,15 +137,25 @@ class Trainer:
             device=self.device,
         )
         self._load_initial_weights(model)
+        # The KL penalty's reference: the initial weights, copied before any checkpoint is resumed.
+        self.reference = (
+            ReferenceModel(model, self.arch, params_dtype=self.params_dtype,
+                           sequence_parallel=cfg.parallel.sequence_parallel, device=self.device)
+            if cfg.algo.kl_coef > 0 else None
+        )
         self.model = self._wrap_ddp(model)
         self.optimizer, self.scheduler = self._build_optimizer()
-        self.offload = TrainerOffload(self.model, self.optimizer, self.device) if cfg.compute.offload_while_generating else None
+        self.offload = (
+            TrainerOffload(self.model, self.optimizer, self.device,
+                           reference=self.reference.model if self.reference is not None else None)
+            if cfg.compute.offload_while_generating else None
+        )
         self.moved_bytes = {"offload": 0, "reload": 0}  # this step's, for its row
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep_last, self.ctx)
         self.step = 0
         progress = self._resume()
 
-        self.updater = PolicyUpdater(self.model, self.optimizer, cfg, self.arch, self.ctx)
+        self.updater = PolicyUpdater(self.model, self.optimizer, cfg, self.arch, self.ctx, reference=self.reference)
         self.inspector = SpuriousTokenDump(self.run_dir, self.tokenizer, cfg.logging.inspect_context_tokens, self.ctx)
         if self.offload is not None:
             # Colocated servers size their KV cache from the memory free when they start: the
@@ -165,6 +177,17 @@ class Trainer:
         self._install_signal_handlers()
 
     # ---- set-up -----------------------------------------------------------------------------
+
+    def _tokenizer_files(self) -> str:
+        """The directory whose tokenizer files every checkpoint carries in its hf_assets/ ('': none):
+        the configured one, else load_hf's; the synthetic task's is written to <run>/tokenizer (by
+        rank 0, the rank that copies the assets)."""
+        if not self.cfg.data.is_synthetic:
+            return self.cfg.tokenizer or self.cfg.checkpoint.load_hf
+        directory = self.run_dir / "tokenizer"
+        if self.rank == 0:
+            self.tokenizer.save_pretrained(directory)
+        return str(directory)
 
     def _load_initial_weights(self, model) -> None:
         """Weights before any training: a Hugging Face or Megatron checkpoint, or the seeded init."""
@@ -341,7 +364,7 @@ class Trainer:
             with timer("inspect"):
                 self.inspector.dump(step, done.microbatches, done.decided_on, [r.selections for r in done.results], batch)
         metrics = done.metrics
-        metrics.update(_average([r.metrics for r in done.results]))
+        metrics.update(combine_steps([r.metrics for r in done.results]))
         metrics["optim/skipped_steps"] = float(self.skipped_steps)
         return metrics
 
@@ -365,7 +388,7 @@ class Trainer:
         })
         # The sampler lives on rank 0; every rank must hand dist_checkpointing the same common state.
         progress = self.ctx.broadcast_object(progress, src=0)
-        assets = hf_assets(self.cfg.tokenizer or self.cfg.checkpoint.load_hf) if (self.cfg.tokenizer or self.cfg.checkpoint.load_hf) else None
+        assets = hf_assets(self.tokenizer_dir) if self.tokenizer_dir else None
         self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, progress, self.arch, self.params_dtype, assets)
 
     def _agree_to_stop(self) -> bool:
@@ -422,17 +445,3 @@ class Trainer:
         if self.rollout_servers is not None:
             self.rollout_servers.shutdown()  # this node's servers, on its leader
 
-
-def _average(rows: list[dict]) -> dict:
-    """Mean over the step's optimizer steps of each metric (counts are summed)."""
-    if not rows:
-        return {}
-    out = {}
-    for key in rows[0]:
-        values = [r[key] for r in rows if key in r and math.isfinite(r[key])]
-        if not values:
-            out[key] = float("nan")  # logged as null: the key stays in every row
-            continue
-        summed = key.endswith(("_tokens", "/candidates", "/silenced_candidates"))
-        out[key] = sum(values) if summed else sum(values) / len(values)
-    return out

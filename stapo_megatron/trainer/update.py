@@ -27,6 +27,7 @@ import torch.distributed as dist
 from stapo_megatron.loss import (
     TokenStats,
     all_reduce_metrics,
+    get_objective,
     minibatch_threshold,
     mismatch_sums,
     needs_statistics_pass,
@@ -35,9 +36,11 @@ from stapo_megatron.loss import (
     s2t_candidates,
     select_tokens,
     summarize_mismatch,
+    token_seed,
     vocab_parallel_logprob_entropy,
     zero_advantage_skippable,
 )
+from stapo_megatron.loss.metrics import OLD_PASS_ONLY, Reduction, combine_steps, declare
 from stapo_megatron.models.qwen3.parallelize import sequence_multiple
 from stapo_megatron.runtime.distributed import ParallelContext
 from stapo_megatron.trainer.batch import (
@@ -50,6 +53,7 @@ from stapo_megatron.trainer.batch import (
     token_imbalance,
     token_slots,
 )
+from stapo_megatron.trainer.reference import ReferenceModel
 from stapo_megatron.trainer.schedule import forward_backward, forward_only
 
 
@@ -87,15 +91,28 @@ class StepResult:
     decided_on: list[list[TokenStats]]  # the statistics each mini-batch's selection read, per micro-batch
 
 
+# The plan's metrics: one row per mini-batch, combined over the step by these reductions.
+declare(Reduction.SUM, {
+    "batch/sequences": "sequences of the step",
+    "batch/model_tokens": "model tokens of the update micro-batches, padding included, all data-parallel ranks",
+})
+declare(Reduction.MAX, {
+    "batch/dp_token_imbalance": "largest over the mini-batches of (largest rank's tokens - mean) / mean",
+})
+declare(Reduction.WEIGHTED_MEAN, {
+    "batch/skipped_fraction": "zero-advantage sequences left out of the passes / sequences",
+}, weight="batch/sequences")
+declare(Reduction.WEIGHTED_MEAN, {
+    "batch/padding_fraction": "padding / model tokens of the update micro-batches",
+}, weight="batch/model_tokens")
+
+
 def plan_step(batch: RolloutBatch, cfg, ctx: ParallelContext, pad_to_multiple: int = 1) -> StepPlan:
     """Mini-batches of whole groups, split over data-parallel ranks and packed by tokens (see the
     module docstring). Every rank computes every rank's share from the same batch, so the agreed
     micro-batch counts (the largest over the data-parallel ranks) need no communication.
 
-    Metrics (each computed once here, reduced by max over the step's mini-batches where noted):
-    ``batch/dp_token_imbalance`` (max over mini-batches of (largest rank - mean) / mean tokens),
-    ``batch/skipped_fraction`` (skipped sequences / sequences), ``batch/padding_fraction``
-    (padding / all model tokens of the update micro-batches, all ranks).
+    Metrics: per mini-batch, combined over the step by their declarations (above).
     """
     b = cfg.batch
     groups = int(batch.group_ids.max()) + 1
@@ -103,15 +120,13 @@ def plan_step(batch: RolloutBatch, cfg, ctx: ParallelContext, pad_to_multiple: i
     bounds = [round(i * groups / count) for i in range(count + 1)]
     lengths = [model_tokens(batch, i) for i in range(len(batch))]
     skippable = b.skip_zero_advantage and zero_advantage_skippable(cfg.algo)
-    mine_all, shares, skipped, imbalance = [], [], 0, 0.0
-    update_tokens = padded_tokens = 0
+    mine_all, shares, rows = [], [], []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         sequences = [i for i in range(len(batch)) if lo <= int(batch.group_ids[i]) < hi]
         zero = [i for i in sequences if skippable and float(batch.advantages[i]) == 0.0]
         left_out = set(zero)
         run = [i for i in sequences if i not in left_out]
         parts = balance_over_ranks(run, lengths, ctx.dp_size)
-        imbalance = max(imbalance, token_imbalance(parts, lengths))
         # the largest multiple of pad_to_multiple in the budget: padding never takes a row over it
         update_bins = [pack_by_budget(part, lengths, b.max_tokens_per_microbatch // pad_to_multiple * pad_to_multiple)
                        for part in parts]
@@ -119,6 +134,7 @@ def plan_step(batch: RolloutBatch, cfg, ctx: ParallelContext, pad_to_multiple: i
                         for part in parts]
         update_count = max(1, *(len(x) for x in update_bins))
         forward_count = max(1, *(len(x) for x in forward_bins))
+        update_tokens = padded_tokens = 0
         for bins in update_bins:
             for chunk in bins + [[]] * (update_count - len(bins)):
                 tokens = sum(lengths[i] for i in chunk)
@@ -128,7 +144,13 @@ def plan_step(batch: RolloutBatch, cfg, ctx: ParallelContext, pad_to_multiple: i
         mine_all.extend(mine)
         shares.append((update_bins[ctx.dp_rank] + [[]] * (update_count - len(update_bins[ctx.dp_rank])),
                        forward_bins[ctx.dp_rank] + [[]] * (forward_count - len(forward_bins[ctx.dp_rank])), zero))
-        skipped += len(zero)
+        rows.append({
+            "batch/dp_token_imbalance": token_imbalance(parts, lengths),
+            "batch/sequences": float(len(sequences)),
+            "batch/skipped_fraction": len(zero) / len(sequences),
+            "batch/model_tokens": float(padded_tokens),
+            "batch/padding_fraction": 1.0 - update_tokens / padded_tokens if padded_tokens else 0.0,
+        })
     slots = token_slots(batch, mine_all)
     minibatches = []
     for update_bins, forward_bins, zero in shares:
@@ -140,12 +162,18 @@ def plan_step(batch: RolloutBatch, cfg, ctx: ParallelContext, pad_to_multiple: i
                 skipped_sequences=sum(1 for i in zero if batch.response_ids[i]),
             )
         )
-    metrics = {
-        "batch/dp_token_imbalance": imbalance,
-        "batch/skipped_fraction": skipped / len(batch),
-        "batch/padding_fraction": 1.0 - update_tokens / padded_tokens if padded_tokens else 0.0,
-    }
-    return StepPlan(minibatches, slots, metrics)
+    return StepPlan(minibatches, slots, combine_steps(rows))
+
+
+# Of each optimizer step (PolicyUpdater.train_minibatch); the loss's own metrics are declared in
+# stapo_megatron.loss.policy, their logged forms at summarize_loss_metrics.
+declare(Reduction.SUM, {
+    "skipped_tokens": "response tokens of the left-out zero-advantage sequences (in the loss denominator, not run)",
+})
+declare(Reduction.MEAN, {
+    "optim/grad_norm": "gradient norm before clipping (plain mean over the step's optimizer steps)",
+    "optim/lr": "learning rate (one value per training step: the scheduler steps after the last mini-batch)",
+})
 
 
 class PolicyUpdater:
@@ -153,9 +181,12 @@ class PolicyUpdater:
     loss inputs of each micro-batch (passed to the loss by the micro-batch's identity, never
     written into it), and the optimizer steps."""
 
-    def __init__(self, model, optimizer, cfg, arch, ctx: ParallelContext):
+    def __init__(self, model, optimizer, cfg, arch, ctx: ParallelContext, reference: Optional[ReferenceModel] = None):
         # No scheduler here: the trainer steps it once per training step, after all mini-batches.
-        self.model, self.optimizer = model, optimizer
+        # ``reference``: the frozen model of the KL penalty (needed when algo.kl_coef > 0).
+        if cfg.algo.kl_coef > 0 and reference is None:
+            raise ValueError("reference: algo.kl_coef > 0 needs the frozen reference model")
+        self.model, self.optimizer, self.reference = model, optimizer, reference
         self.cfg, self.algo, self.arch = cfg, cfg.algo, arch
         self.ctx = ctx
         self.last_stage = ctx.is_last_stage
@@ -186,15 +217,24 @@ class PolicyUpdater:
 
         return forward_only(self.model, microbatches, step)
 
+    def _slot_vector(self, slots: TokenSlots, microbatches: list[dict], values: list[torch.Tensor]) -> torch.Tensor:
+        """``values`` (one tensor per micro-batch, shaped like its tokens) as a per-rank token vector."""
+        vector = torch.zeros(slots.size, dtype=torch.float32, device=self.ctx.device)
+        for mb, v in zip(microbatches, values):
+            vector[mb["token_index"].reshape(-1)] = v.reshape(-1).float()
+        return vector
+
     def _to_slots(self, slots: TokenSlots, microbatches: list[dict], stats: list[TokenStats]) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies of ``stats`` (one per micro-batch) as per-rank token vectors."""
-        logprob = torch.zeros(slots.size, dtype=torch.float32, device=self.ctx.device)
-        entropy = torch.zeros_like(logprob)
-        for mb, s in zip(microbatches, stats):
-            index = mb["token_index"].reshape(-1)
-            logprob[index] = s.logprob.reshape(-1).float()
-            entropy[index] = s.entropy.reshape(-1).float()
-        return logprob, entropy
+        return (self._slot_vector(slots, microbatches, [s.logprob for s in stats]),
+                self._slot_vector(slots, microbatches, [s.entropy for s in stats]))
+
+    def reference_logprobs(self, slots: TokenSlots, microbatches: list[dict]) -> Optional[torch.Tensor]:
+        """The reference model's log-prob of every token of ``microbatches`` (forward layout) as a
+        per-rank token vector, at the rollout temperature through the same vocabulary-parallel
+        path as the policy's (last stage; None elsewhere)."""
+        logprobs = self.reference.logprobs(microbatches, lambda logits, mb: self._token_logprob_entropy(logits, mb)[0])
+        return self._slot_vector(slots, microbatches, logprobs) if self.last_stage else None
 
     @staticmethod
     def _read_slots(tables: tuple[torch.Tensor, torch.Tensor], mb: dict) -> TokenStats:
@@ -221,6 +261,10 @@ class PolicyUpdater:
         metrics.update(rollout_statistics(self.ctx, old_stats, forward_all))
         metrics.update(candidate_mismatch(self.ctx, old_stats, forward_all, self.algo.tau_p))
         old = self._to_slots(plan.slots, forward_all, old_stats) if self.last_stage else None
+        ref = None
+        if self.reference is not None:
+            with phase("reference"):
+                ref = self.reference_logprobs(plan.slots, forward_all)
         results, microbatches, decided_on = [], [], []
         first = 0
         for j, minibatch in enumerate(plan.minibatches):
@@ -237,7 +281,8 @@ class PolicyUpdater:
                     current = self._to_slots(plan.slots, minibatch.forward, current_stats) if j else old
             first += len(minibatch.forward)
             with phase("update"):
-                result, stats = self.train_minibatch(minibatch, old, current, threshold)
+                result, stats = self.train_minibatch(minibatch, old, current, threshold, ref,
+                                                     step_entropy=metrics.get("policy/entropy"))
             if on_result is not None:
                 on_result(result)
             results.append(result)
@@ -247,11 +292,14 @@ class PolicyUpdater:
 
     # ---- one optimizer step ------------------------------------------------------------------
 
-    def train_minibatch(self, minibatch: MinibatchPlan, old, current, threshold) -> tuple[MinibatchResult, list]:
+    def train_minibatch(self, minibatch: MinibatchPlan, old, current, threshold, ref=None,
+                        step_entropy: Optional[float] = None) -> tuple[MinibatchResult, list]:
         """Accumulate the masked loss over the mini-batch's update micro-batches and take one
         optimizer step. ``old``/``current``: per-rank token vectors (log-prob, entropy) before this
         step's first update and under the weights about to be updated (last stage; None
-        elsewhere); ``threshold``: the rule's mini-batch threshold (None: the micro-batch decides)."""
+        elsewhere); ``threshold``: the rule's mini-batch threshold (None: the micro-batch decides);
+        ``ref``: the reference model's log-prob vector (KL penalty; None without one);
+        ``step_entropy``: the step's mean policy entropy (``policy/entropy``), for gated rules (STARE)."""
         microbatches = minibatch.update
         inputs: dict[int, dict] = {}
         decided_on: list[TokenStats] = []
@@ -259,10 +307,12 @@ class PolicyUpdater:
             scoped = needs_statistics_pass(self.algo)
             for k, mb in enumerate(microbatches):
                 stats = self._read_slots(current, mb)
+                stats.step_entropy = step_entropy
                 decided_on.append(stats)
                 counts_skipped = k == 0 and self.ctx.dp_rank == 0  # once over the data-parallel group
                 inputs[id(mb)] = {
                     "old_logprob": old[0][mb["token_index"]],
+                    "ref_logprob": ref[mb["token_index"]] if ref is not None else None,
                     "selection": select_tokens(self.algo, stats, threshold) if scoped else None,
                     # what the left-out sequences add to the denominator, and their response tokens
                     "skipped_count": (minibatch.skipped_tokens if self.algo.aggregation == "token_mean"
@@ -277,7 +327,8 @@ class PolicyUpdater:
             logprob, entropy = self._token_logprob_entropy(logits, batch, entropy_grad=self.algo.entropy_coef > 0)
             selection = given["selection"]
             if selection is None:  # a rule without a mini-batch threshold: this micro-batch decides
-                stats = TokenStats(logprob.detach(), entropy.detach(), batch["advantages"], batch["response_mask"])
+                stats = TokenStats(logprob.detach(), entropy.detach(), batch["advantages"], batch["response_mask"],
+                                   step_entropy=step_entropy)
                 selection = select_tokens(self.algo, stats, None)
                 collected.append(selection)
             loss_sum, num_tokens, metrics = policy_loss(
@@ -289,17 +340,24 @@ class PolicyUpdater:
                 eps_high=self.algo.eps_high,
                 clip_ratio_c=self.algo.clip_ratio_c,
                 log_ratio_clamp=self.algo.log_ratio_clamp,
+                ref_logprob=given["ref_logprob"],
+                kl_coef=self.algo.kl_coef,
+                kl_estimator=self.algo.kl_estimator,
                 entropy=entropy,
                 entropy_coef=self.algo.entropy_coef,
                 aggregation=self.algo.aggregation,
                 response_mask=batch["response_mask"],
                 candidates=selection.candidates,
-                tau_h=selection.threshold,
+                # a rule's scalar threshold only (STARE's is a pair of surprisal cuts)
+                tau_h=selection.threshold if selection.threshold is None or selection.threshold.dim() == 0 else None,
                 rollout_logprob=batch["rollout_logprobs"],
                 rollout_correction=self.algo.rollout_correction,
                 rollout_correction_cap=self.algo.rollout_correction_cap,
                 rollout_correction_floor=self.algo.rollout_correction_floor,
                 segment_ids=batch["segment_ids"],
+                objective=self.algo.objective,
+                objective_cfg=self.algo,
+                objective_seed=token_seed(batch["labels"]) if get_objective(self.algo.objective).draws_random else 0,
             )
             if given["skipped_tokens"]:
                 # left-out zero-advantage sequences: kept by the rule, no gradient, in the denominator
@@ -360,28 +418,51 @@ def candidate_mismatch(
     return summarize_mismatch(all_reduce_metrics(sums, ctx.dp_group))
 
 
+declare(Reduction.SUM, {
+    "old_response_tokens": "response tokens run through the old-statistics pass",
+    "old_entropy_sum": "sum of the old policy's entropy over them",
+    "old_mismatch_abs_sum": "sum of |log pi_old - log pi_rollout| over them",
+    "policy/statistics_tokens": "response tokens run through the old-statistics pass, all data-parallel ranks "
+                                "(what policy/entropy and mismatch/logprob_abs_* cover)",
+})
+declare(Reduction.MAX, {
+    "old_mismatch_abs_max": "largest |log pi_old - log pi_rollout| over them (0: none)",
+    "mismatch/logprob_abs_max": "largest |log pi_old - log pi_rollout|" + OLD_PASS_ONLY,
+})
+declare(Reduction.WEIGHTED_MEAN, {
+    "policy/entropy": "mean entropy of the old policy" + OLD_PASS_ONLY,
+    "mismatch/logprob_abs_mean": "mean |log pi_old - log pi_rollout|" + OLD_PASS_ONLY,
+}, weight="policy/statistics_tokens")
+
+
 def rollout_statistics(ctx: ParallelContext, old_stats: list[TokenStats], microbatches: list[dict]) -> dict[str, float]:
-    """Policy entropy and the train/rollout log-prob mismatch over every response token of the
-    data-parallel group; computed on the last stage (empty elsewhere). Collective over ``ctx.dp_group``."""
+    """Policy entropy and the train/rollout log-prob mismatch (declared above) over the response
+    tokens of the data-parallel group that the old-statistics pass ran; computed on the last stage
+    (empty elsewhere). Collective over ``ctx.dp_group``."""
     if not ctx.is_last_stage:
         return {}
-    totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # tokens, entropy sum, |mismatch| sum
-    largest = torch.zeros(1, dtype=torch.float64, device=ctx.device)
-    for stats, mb in zip(old_stats, microbatches):
+
+    def raw(stats: TokenStats, mb: dict) -> dict[str, torch.Tensor]:
         mask = mb["response_mask"] > 0
         mismatch = (stats.logprob - mb["rollout_logprobs"])[mask].abs().double()
-        totals[0] += mask.sum()
-        totals[1] += stats.entropy[mask].double().sum()
-        totals[2] += mismatch.sum()
-        if mismatch.numel():
-            largest = torch.maximum(largest, mismatch.max())
-    dist.all_reduce(totals, group=ctx.dp_group)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=ctx.dp_group)
-    tokens = max(float(totals[0]), 1.0)
+        return {
+            "old_response_tokens": mask.sum().double(),
+            "old_entropy_sum": stats.entropy[mask].double().sum(),
+            "old_mismatch_abs_sum": mismatch.sum(),
+            "old_mismatch_abs_max": mismatch.max() if mismatch.numel() else mismatch.new_zeros(()),
+        }
+
+    zero = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    local = reduce_metrics([dict.fromkeys(("old_response_tokens", "old_entropy_sum", "old_mismatch_abs_sum",
+                                           "old_mismatch_abs_max"), zero)]
+                           + [raw(stats, mb) for stats, mb in zip(old_stats, microbatches)])
+    totals = all_reduce_metrics(local, ctx.dp_group, device=ctx.device)
+    tokens = float(totals["old_response_tokens"])
     return {
-        "policy/entropy": float(totals[1]) / tokens,
-        "mismatch/logprob_abs_mean": float(totals[2]) / tokens,
-        "mismatch/logprob_abs_max": float(largest[0]),
+        "policy/statistics_tokens": tokens,
+        "policy/entropy": float(totals["old_entropy_sum"]) / max(tokens, 1.0),
+        "mismatch/logprob_abs_mean": float(totals["old_mismatch_abs_sum"]) / max(tokens, 1.0),
+        "mismatch/logprob_abs_max": float(totals["old_mismatch_abs_max"]),
     }
 
 
@@ -402,8 +483,62 @@ def merge_reporter_metrics(ctx: ParallelContext, metrics: dict) -> dict:
     return metrics
 
 
+# The logged metrics of one optimizer step (summarize_loss_metrics), combined over the optimizer
+# steps of a training step (stapo_megatron.loss.metrics.combine_steps) by these reductions.
+# "Run tokens": kept tokens of the sequences run through the loss (left-out zero-advantage ones
+# count in the loss denominator but were not computed).
+declare(Reduction.SUM, {
+    "policy/response_tokens": "response tokens, all data-parallel ranks (left-out zero-advantage ones included)",
+    "policy/kept_tokens": "tokens in the loss denominator (left-out zero-advantage ones included)",
+    "policy/run_tokens": "kept tokens of the sequences run through the loss",
+    "s2t/silenced_tokens": "response tokens the token rule silenced",
+    "s2t/candidates": "S2T candidates",
+    "s2t/silenced_candidates": "S2T candidates the rule silenced",
+})
+declare(Reduction.WEIGHTED_MEAN, {
+    "s2t/masked_fraction": "silenced / response tokens",
+    "rollout_correction/rejected_fraction": "tokens the masked rollout correction rejected / response tokens",
+}, weight="policy/response_tokens")
+declare(Reduction.WEIGHTED_MEAN, {
+    "policy/pg_loss": "policy-gradient term per token of the loss denominator",
+}, weight="policy/kept_tokens")
+declare(Reduction.WEIGHTED_MEAN, {
+    "policy/clip_low_fraction": "run tokens with A < 0 clipped at 1 - eps_low",
+    "policy/clip_high_fraction": "run tokens with A > 0 clipped at 1 + eps_high",
+    "policy/dual_clip_fraction": "run tokens the dual-clip caps",
+    "policy/approx_kl": "mean k3(old || current) per run token",
+    "policy/ratio_mean": "mean importance ratio per run token",
+    "policy/entropy_kept": "mean entropy of the current policy per run token (only the sequences run)",
+    "policy/ref_kl": "mean KL estimate against the reference policy per run token",
+    "rollout_correction/weight_mean": "mean rollout-correction weight per run token",
+    "rollout_correction/truncated_fraction": "run tokens whose rollout-correction weight was cut at the cap",
+}, weight="policy/run_tokens")
+declare(Reduction.WEIGHTED_MEAN, {
+    "s2t/entropy_silenced": "mean entropy of the current policy over the silenced tokens",
+}, weight="s2t/silenced_tokens")
+declare(Reduction.MAX, {"policy/ratio_max": "largest importance ratio of a run token"})
+declare(Reduction.MIN, {"policy/ratio_min": "smallest importance ratio of a run token"})
+declare(Reduction.MEAN, {
+    "s2t/tau_h": "entropy threshold, mean over the optimizer steps that had one (null: none had)",
+})
+# The policy objective's (stapo_megatron.loss.objectives), logged when it reports them.
+declare(Reduction.SUM, {
+    "objective/cov_candidate_tokens": "clip_cov: unclipped tokens with clip_cov_lb < Cov < clip_cov_ub",
+    "objective/cov_selected_tokens": "clip_cov / kl_cov: tokens the covariance picked",
+    "objective/gspo_sequences": "gspo: sequences with a token in the loss",
+})
+declare(Reduction.WEIGHTED_MEAN, {
+    "objective/cov_selected_fraction": "clip_cov / kl_cov: picked tokens / run tokens",
+    "objective/kl_cov_penalty": "kl_cov: kl_cov_coef * |log r| summed over the picked tokens, per run token",
+}, weight="policy/run_tokens")
+declare(Reduction.WEIGHTED_MEAN, {
+    "objective/gspo_clipped_fraction": "gspo: sequences whose ratio s_i is clipped on the side A pushes it / sequences",
+}, weight="objective/gspo_sequences")
+
+
 def summarize_loss_metrics(m: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Exact mini-batch means from summed counts (see :mod:`stapo_megatron.loss.metrics`)."""
+    """The logged metrics (declared above) of one optimizer step from its reduced raw ones: exact
+    mini-batch means from summed counts."""
 
     def value(key: str) -> float:
         return float(m[key]) if key in m else 0.0
@@ -423,6 +558,7 @@ def summarize_loss_metrics(m: dict[str, torch.Tensor]) -> dict[str, float]:
         "s2t/silenced_tokens": value("silenced_tokens"),
         "policy/kept_tokens": value("kept_tokens"),
         "policy/response_tokens": value("response_tokens"),
+        "policy/run_tokens": run,
         "policy/pg_loss": ratio("pg_loss_sum", "kept_tokens"),
         "policy/clip_low_fraction": per_run_token("clip_low_tokens"),
         "policy/clip_high_fraction": per_run_token("clip_high_tokens"),
@@ -434,6 +570,8 @@ def summarize_loss_metrics(m: dict[str, torch.Tensor]) -> dict[str, float]:
     if "ratio_max" in m and math.isfinite(float(m["ratio_max"])):
         out["policy/ratio_max"] = float(m["ratio_max"])
         out["policy/ratio_min"] = float(m["ratio_min"])
+    if "ref_kl_sum" in m:  # a reference policy is given
+        out["policy/ref_kl"] = per_run_token("ref_kl_sum")
     if "rollout_weight_sum" in m:  # a rollout correction is on
         out["rollout_correction/weight_mean"] = per_run_token("rollout_weight_sum")
         out["rollout_correction/truncated_fraction"] = per_run_token("rollout_truncated_tokens")
@@ -445,4 +583,14 @@ def summarize_loss_metrics(m: dict[str, torch.Tensor]) -> dict[str, float]:
     out["s2t/entropy_silenced"] = value("entropy_silenced_sum") / silenced if silenced > 0 else 0.0
     # No candidates (no threshold) is logged as null, so the series keeps its gaps.
     out["s2t/tau_h"] = ratio("tau_h_sum", "tau_h_count") if value("tau_h_count") > 0 else float("nan")
+    if "cov_selected_tokens" in m:  # clip_cov / kl_cov
+        out["objective/cov_selected_tokens"] = value("cov_selected_tokens")
+        out["objective/cov_selected_fraction"] = per_run_token("cov_selected_tokens")
+    if "cov_candidate_tokens" in m:
+        out["objective/cov_candidate_tokens"] = value("cov_candidate_tokens")
+    if "kl_cov_penalty_sum" in m:
+        out["objective/kl_cov_penalty"] = per_run_token("kl_cov_penalty_sum")
+    if "gspo_sequences" in m:
+        out["objective/gspo_sequences"] = value("gspo_sequences")
+        out["objective/gspo_clipped_fraction"] = ratio("gspo_clipped_sequences", "gspo_sequences")
     return out

@@ -1,23 +1,31 @@
+"""Fixtures of the data tests: the repository's fixture files and tokenizer; the full shared files
+for the heavier cases only."""
+
 from pathlib import Path
 
 import pytest
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
-DATA_DIR = SHARED / "data"
-QWEN3_TOKENIZER = SHARED / "assets" / "qwen3-tokenizer"
+from tests.fixtures import DATA_DIR, write_qwen3_tokenizer
+from tests.helpers import SHARED
+
+SHARED_DATA_DIR = SHARED / "data"
 
 
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
-    if not (DATA_DIR / "eval").is_dir():
-        pytest.skip(f"the shared data files are not at {DATA_DIR} (../shared/data next to the repository)")
+    """A few rows of every shared file, in the same layout (``eval/``, ``train/``)."""
     return DATA_DIR
 
 
 @pytest.fixture(scope="session")
-def qwen3_tokenizer():
-    if not (QWEN3_TOKENIZER / "tokenizer.json").is_file():
-        pytest.skip(f"the Qwen3 tokenizer is not at {QWEN3_TOKENIZER} (../shared/assets next to the repository)")
+def shared_data_dir() -> Path:
+    if not (SHARED_DATA_DIR / "eval").is_dir():
+        pytest.skip(f"the full data files are not at {SHARED_DATA_DIR} (../shared/data next to the repository)")
+    return SHARED_DATA_DIR
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(QWEN3_TOKENIZER))
+    return AutoTokenizer.from_pretrained(str(write_qwen3_tokenizer(tmp_path_factory.mktemp("qwen3-tokenizer"))))

@@ -17,8 +17,9 @@ from stapo_megatron.data import (
     load_records,
 )
 from stapo_megatron.data.loaders import resolve_format
+from tests.fixtures import ROWS, TRAIN_ROWS
 
-# The README's table: file -> rows. Every row of every file has a usable answer: nothing is dropped.
+# The shared README's table: file -> rows. Every row of every file has a usable answer: nothing is dropped.
 SHARED_FILES = {
     "train/dapo_math_17k.parquet": 17_917,
     "eval/aime24.jsonl": 30,
@@ -31,9 +32,19 @@ SHARED_FILES = {
 }
 
 
-@pytest.mark.parametrize("relative, rows", SHARED_FILES.items())
-def test_every_shared_file_loads_with_its_row_count(data_dir, relative, rows):
-    records, report = load_records(str(data_dir / relative))
+FIXTURE_FILES = {
+    "train/dapo_math_17k.parquet": TRAIN_ROWS,
+    **{f"eval/{get_benchmark(name).file_name}": rows for name, rows in ROWS.items()},
+}
+
+
+@pytest.mark.parametrize(
+    "source, relative, rows",
+    [("data_dir", *item) for item in FIXTURE_FILES.items()]
+    + [("shared_data_dir", *item) for item in SHARED_FILES.items()],
+)
+def test_every_data_file_loads_with_its_row_count(request, source, relative, rows):
+    records, report = load_records(str(request.getfixturevalue(source) / relative))
     assert (report.rows, report.kept, report.dropped) == (rows, rows, {})
     assert len(records) == rows
     assert [r.row for r in records] == list(range(1, rows + 1))
@@ -41,35 +52,42 @@ def test_every_shared_file_loads_with_its_row_count(data_dir, relative, rows):
     assert all(r.problem.strip() and r.answer.strip() for r in records)
 
 
-def test_dapo_math_17k_in_the_verl_schema(data_dir, caplog):
-    path = str(data_dir / "train" / "dapo_math_17k.parquet")
+@pytest.mark.parametrize(
+    "source, rows, unique, first_repeat", [("data_dir", TRAIN_ROWS, 40, 41), ("shared_data_dir", 17_917, 17_290, 180)]
+)
+def test_dapo_math_17k_in_the_verl_schema(request, caplog, source, rows, unique, first_repeat):
+    path = str(request.getfixturevalue(source) / "train" / "dapo_math_17k.parquet")
     with caplog.at_level(logging.INFO, logger="stapo_megatron.data.loaders"):
         records, report = load_records(path)
     assert "problem from 'prompt', answer from 'reward_model.ground_truth' (plain)" in caplog.text
-    assert "17917 rows, kept 17917, dropped 0" in caplog.text
+    assert f"{rows} rows, kept {rows}, dropped 0" in caplog.text
     first = records[0]
     assert first.answer == "34" and first.problem.startswith("In triangle $ABC$, $\\sin \\angle A = \\frac{4}{5}$")
     assert first.uid == "dapo_math_17k:1" and first.source == "dapo_math_17k"
     assert all(r.answer.lstrip("-").isdigit() for r in records)  # DAPO-Math-17k's answers are integers
     deduplicated, report = load_records(path, deduplicate=True)
-    assert (len(deduplicated), report.dropped) == (17_290, {"duplicate_problem": 627})
-    assert report.messages[0].endswith("row 180: problem already seen")
+    assert (len(deduplicated), report.dropped) == (unique, {"duplicate_problem": rows - unique})
+    assert report.messages[0].endswith(f"row {first_repeat}: problem already seen")
+
+
+BENCHMARK_SAMPLES = [
+    ("aime24", 30, 32, {1: "204"}),
+    ("aime25", 30, 32, {1: "70"}),
+    ("amc23", 40, 32, {1: "27"}),  # 27.0 in the file
+    ("math500", 500, 4, {1: "\\left( 3, \\frac{\\pi}{2} \\right)"}),
+    ("minerva", 272, 4, {1: "1.6", 2: "4.5e33", 3: "41.8"}),  # the last \boxed{} of the solution
+    ("olympiadbench", 675, 4, {1: "2"}),
+    ("gsm8k", 1319, 1, {1: "18"}),
+]
 
 
 @pytest.mark.parametrize(
-    "name, rows, k, samples",
-    [
-        ("aime24", 30, 32, {1: "204"}),
-        ("aime25", 30, 32, {1: "70"}),
-        ("amc23", 40, 32, {1: "27"}),  # 27.0 in the file
-        ("math500", 500, 4, {1: "\\left( 3, \\frac{\\pi}{2} \\right)"}),
-        ("minerva", 272, 4, {1: "1.6", 2: "4.5e33", 3: "41.8"}),  # the last \boxed{} of the solution
-        ("olympiadbench", 675, 4, {1: "2"}),
-        ("gsm8k", 1319, 1, {1: "18"}),
-    ],
+    "source, name, rows, k, samples",
+    [("data_dir", name, ROWS[name], k, samples) for name, _, k, samples in BENCHMARK_SAMPLES]
+    + [("shared_data_dir", *sample) for sample in BENCHMARK_SAMPLES],
 )
-def test_benchmarks_load_with_their_answers(data_dir, name, rows, k, samples):
-    records, report = load_benchmark(name, data_dir / "eval")
+def test_benchmarks_load_with_their_answers(request, source, name, rows, k, samples):
+    records, report = load_benchmark(name, request.getfixturevalue(source) / "eval")
     assert (len(records), report.num_dropped, get_benchmark(name).default_k) == (rows, 0, k)
     for row, answer in samples.items():
         assert records[row - 1].answer == answer

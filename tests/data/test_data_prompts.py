@@ -1,4 +1,4 @@
-"""Prompt templates and encoding (the real Qwen3 tokenizer, the tiny one), the synthetic task, the config."""
+"""Prompt templates and encoding (the real Qwen3 tokenizer, the synthetic task's), the synthetic task, the config."""
 
 import pytest
 
@@ -8,12 +8,16 @@ from stapo_megatron.data import (
     DataError,
     PromptEncoder,
     PromptRecord,
-    TinyTokenizer,
     build_prompt_dataset,
-    load_tokenizer,
     render_prompt,
     synthetic_records,
+    synthetic_tokenizer,
 )
+from stapo_megatron.data.prompts import response_text
+from stapo_megatron.data.synthetic import synthetic_vocab, synthetic_vocab_size
+from stapo_megatron.rewards import RewardPool
+from stapo_megatron.rewards.extract import FREE_WORD
+from tests.fixtures import ROWS
 
 STAPO_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 RECORD = PromptRecord("t:1", "Find $x$ if $\\{x\\} = \\frac{1}{2}$.", "0.5", "t", 1)
@@ -46,70 +50,79 @@ def test_qwen3_prompts_with_and_without_the_chat_template(qwen3_tokenizer):
 def test_qwen3_prompt_dataset_from_a_benchmark_file(qwen3_tokenizer, data_dir):
     cfg = build(DataConfig, {"source": str(data_dir / "eval" / "aime24.jsonl"), "chat_template": True}, "data")
     dataset = build_prompt_dataset(cfg, qwen3_tokenizer)
-    assert len(dataset) == 30 and dataset.report.kept == 30
+    rows = ROWS["aime24"]
+    assert len(dataset) == rows and dataset.report.kept == rows
     item = dataset[0]
     assert item.record.answer == "204" and item.record.row == 1
     assert qwen3_tokenizer.decode(item.prompt_ids).startswith("<|im_start|>user\nEvery morning Aya")
     short = build(DataConfig, {"source": str(data_dir / "eval" / "aime24.jsonl"), "max_prompt_tokens": 120}, "data")
     dataset = build_prompt_dataset(short, qwen3_tokenizer)
-    assert 0 < len(dataset) < 30
-    assert dataset.report.dropped == {"prompt_too_long": 30 - len(dataset)}
+    assert 0 < len(dataset) < rows
+    assert dataset.report.dropped == {"prompt_too_long": rows - len(dataset)}
     assert "more than max_prompt_tokens=120" in dataset.report.messages[0]
     strict = build(DataConfig, {"source": short.source, "max_prompt_tokens": 120, "bad_rows": "error"}, "data")
     with pytest.raises(DataError, match=r"aime24.jsonl: row \d+: prompt has \d+ tokens"):
         build_prompt_dataset(strict, qwen3_tokenizer)
 
 
-def test_tiny_tokenizer_round_trip_and_files(tmp_path):
-    tok = TinyTokenizer()
-    assert tok.vocab_size == 256 and len(tok) == 256
+def test_synthetic_tokenizer_is_a_hugging_face_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = synthetic_tokenizer(241)
+    assert len(tok) == 256 and synthetic_vocab_size(241) == 256
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
-    ids = tok.encode("3 + 4 =")
-    assert ids == [tok.bos_token_id, 6, 13, 7, 14] == tok.encode("3+4=")
-    assert tok.decode(ids) == "3 + 4 ="
-    assert tok.decode(ids, skip_special_tokens=False) == "<bos> 3 + 4 ="
-    assert tok.decode([10, tok.eos_token_id, tok.pad_token_id]) == "7"
-    assert tok.convert_ids_to_tokens([10, 255]) == ["7", "<d240>"] and tok.convert_ids_to_tokens(13) == "+"
-    every = list(range(3, tok.vocab_size))
-    assert tok.encode(tok.decode(every), add_special_tokens=False) == every
-    with pytest.raises(ValueError, match="'x' is not in the vocabulary"):
-        tok.encode("3 x 4")
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        tok.decode([256])
+    ids = tok("3 + 4 =")["input_ids"]
+    assert ids == [tok.bos_token_id, 6, 13, 7, 14]
+    assert tok("3 + 4 =", add_special_tokens=False)["input_ids"] == ids[1:]
+    assert tok.decode(ids, skip_special_tokens=True) == "3 + 4 ="
+    assert tok.decode([tok.convert_tokens_to_ids("w17"), 10, tok.eos_token_id], skip_special_tokens=False) == "w17 7 <eos>"
+    assert tok.convert_ids_to_tokens([10, 255]) == ["7", "w240"]
+    every = list(range(3, len(tok)))
+    assert tok(tok.decode(every), add_special_tokens=False)["input_ids"] == every
+    with pytest.raises(Exception, match="Missing \\[UNK\\] token"):  # a word outside the vocabulary
+        tok("3 x 4")
+    # Real Hugging Face files, loaded back by the one path every tokenizer takes.
     tok.save_pretrained(tmp_path / "tok")
-    again = load_tokenizer(tmp_path / "tok")
-    assert isinstance(again, TinyTokenizer) and again.vocab == tok.vocab
-    assert TinyTokenizer(distractors=5).vocab_size == 20
-    assert load_tokenizer(_save(TinyTokenizer(distractors=5), tmp_path / "small")).vocab_size == 20
-    (tmp_path / "bad").mkdir()
-    (tmp_path / "bad" / "tiny_tokenizer.json").write_text('{"format": "other"}')
-    with pytest.raises(ValueError, match="not a tiny tokenizer file"):
-        TinyTokenizer.from_pretrained(tmp_path / "bad")
-
-
-def _save(tokenizer, path):
-    tokenizer.save_pretrained(path)
-    return path
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in (tmp_path / "tok").iterdir()}
+    again = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    assert again.convert_ids_to_tokens(list(range(len(tok)))) == synthetic_vocab(241)
+    assert again("8 + 7 =")["input_ids"] == [1, 11, 13, 10, 14]
+    assert (again.bos_token, again.eos_token, again.pad_token) == ("<bos>", "<eos>", "<pad>")
+    assert len(synthetic_tokenizer(5)) == 20
+    # Exactly the free words are what the free_words reward lets stand before the answer.
+    assert [t for t in synthetic_vocab(241) if FREE_WORD.fullmatch(t)] == [f"w{i}" for i in range(241)]
+    with pytest.raises(ValueError, match="free_tokens must be >= 0"):
+        synthetic_vocab(-1)
 
 
 def test_synthetic_task_through_the_same_record_type():
     records = synthetic_records()
     assert len(records) == 100 and len({r.problem for r in records}) == 100
     assert all(r.answer == str(sum(map(int, r.problem[:-2].split(" + "))) % 10) for r in records)
-    tok = TinyTokenizer()
+    tok = synthetic_tokenizer(241)
     dataset = build_prompt_dataset(DataConfig(), tok)
     assert len(dataset) == 100 and dataset.report.dropped == {}
     item = dataset[10 * 8 + 7]  # 8 + 7 =
     assert item.record == PromptRecord("synthetic:8+7", "8 + 7 =", "5", "synthetic", 88)
     assert item.prompt_ids == (tok.bos_token_id, 11, 13, 10, 14)
-    assert tok.decode(item.prompt_ids) == "8 + 7 ="
-    # A sampled response "5 EOS" decodes to exactly the answer the exact reward compares.
-    assert tok.decode([tok.convert_tokens_to_ids("5"), tok.eos_token_id]) == item.record.answer
+    assert tok.decode(item.prompt_ids, skip_special_tokens=True) == "8 + 7 ="
+    # A sampled response "w17 w203 5 EOS" is scored on "w17 w203 5": its last word is the answer,
+    # the free words before it decide nothing; anything else before it makes it wrong.
+    five, eos = tok.convert_tokens_to_ids("5"), tok.eos_token_id
+    free = tok.convert_tokens_to_ids(["w17", "w203"])
+    text = response_text(tok, [*free, five, eos], "stop")
+    assert text == "w17 w203 5"
+    pool = RewardPool(kind="free_words")
+    responses = [text, response_text(tok, [five, *free], "length"), response_text(tok, [*free, five - 1], "length"),
+                 response_text(tok, [five, five], "length")]
+    results = pool.score(responses, [item.record.answer] * 4)
+    assert [(r.reward, r.extracted) for r in results] == [(1.0, "5"), (0.0, None), (0.0, "4"), (0.0, None)]
+    pool.close()
 
 
-def test_tiny_tokenizer_has_no_chat_template():
-    with pytest.raises(ValueError, match="TinyTokenizer has no chat template"):
-        PromptEncoder(TinyTokenizer(), "raw", chat_template=True)
+def test_synthetic_tokenizer_has_no_chat_template():
+    with pytest.raises(ValueError, match="TokenizersBackend has no chat template"):
+        PromptEncoder(synthetic_tokenizer(5), "raw", chat_template=True)
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Fixtures of the evaluation tests: the shared benchmark files, the Qwen3 tokenizer, a tiny model."""
+"""Fixtures of the evaluation tests: the repository's benchmark excerpts, the Qwen3 tokenizer, a tiny model."""
 
 from __future__ import annotations
 
@@ -6,25 +6,19 @@ import shutil
 
 import pytest
 
-from tests.helpers import SHARED, save_tiny_qwen3
-
-EVAL_DATA = SHARED / "data" / "eval"
-TOKENIZER_DIR = SHARED / "assets" / "qwen3-tokenizer"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+from tests.fixtures import EVAL_DIR, TOKENIZER_FILES, write_qwen3_tokenizer
+from tests.helpers import save_tiny_qwen3
 
 
 @pytest.fixture(scope="session")
 def eval_data_dir():
-    if not (EVAL_DATA / "aime24.jsonl").is_file():
-        pytest.skip(f"the shared benchmark files are not at {EVAL_DATA} (../shared/data/eval next to the repository)")
-    return EVAL_DATA
+    """The first rows of every benchmark file (``tests.fixtures.ROWS`` counts them)."""
+    return EVAL_DIR
 
 
 @pytest.fixture(scope="session")
-def tokenizer_dir():
-    if not all((TOKENIZER_DIR / name).is_file() for name in TOKENIZER_FILES):
-        pytest.skip(f"the Qwen3 tokenizer is not at {TOKENIZER_DIR} (../shared/assets next to the repository)")
-    return TOKENIZER_DIR
+def tokenizer_dir(tmp_path_factory):
+    return write_qwen3_tokenizer(tmp_path_factory.mktemp("qwen3-tokenizer"))
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ import pytest
 from stapo_megatron.cli import main
 from stapo_megatron.data.benchmarks import BENCHMARKS
 from stapo_megatron.rewards import REASONS
+from tests.fixtures import ROWS
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +51,7 @@ def cli_run(tmp_path_factory, tiny_model, eval_data_dir):
 
 def test_every_benchmark_file_loads_and_scores(cli_run, eval_data_dir):
     out, _, stdout = cli_run
-    # Every file of the shared eval folder is one of the registered benchmarks.
+    # Every file of the eval folder is one of the registered benchmarks.
     assert {p.name for p in eval_data_dir.glob("*.jsonl")} == {spec.file_name for spec in BENCHMARKS.values()}
     results = json.loads((out / "results.json").read_text())
     assert list(results["benchmarks"]) == ALL
@@ -62,8 +63,7 @@ def test_every_benchmark_file_loads_and_scores(cli_run, eval_data_dir):
         mine = [r for r in records.values() if r["benchmark"] == name]
         assert sorted((r["uid"], r["sample"]) for r in mine) == [(f"{name}:{row}", s) for row in (1, 2, 3) for s in (0, 1)]
         assert (score["k"], score["problems"], score["samples"]) == (2, 3, 6)
-        assert score["problems_total"] == {"aime24": 30, "aime25": 30, "amc23": 40, "math500": 500, "minerva": 272,
-                                           "olympiadbench": 675, "gsm8k": 1319}[name]
+        assert score["problems_total"] == ROWS[name]
         assert score["avg@k"] == pytest.approx(sum(r["reward"] for r in mine) / 6)
         assert score["truncated"] == pytest.approx(sum(r["finish_reason"] == "length" for r in mine) / 6)
         assert score["response_tokens_mean"] == pytest.approx(sum(r["tokens"] for r in mine) / 6)

@@ -19,6 +19,7 @@ from stapo_megatron.eval.runner import EvalRun, Sampling, group_seed, load_tasks
 from stapo_megatron.eval.store import RECORD_FIELDS
 from stapo_megatron.rewards import REASONS, RewardConfig
 from tests.eval.scripted import ScriptedEngine
+from tests.fixtures import ROWS
 
 SAMPLING = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=64, stop_token_ids=(151645,), seed=0, problems_per_call=8)
 SETTINGS = {"model": "scripted", "engine": "scripted"}
@@ -50,7 +51,7 @@ def aime_correct(name, i):
 
 @pytest.fixture(scope="module")
 def paper_run(tmp_path_factory, qwen3_tokenizer, eval_data_dir):
-    """AIME24 and AMC23 in full at the paper's k = 32, with a known number of right answers per problem."""
+    """AIME24 and AMC23 (every fixture row) at the paper's k = 32, with a known number of right answers per problem."""
     tasks = tasks_for(qwen3_tokenizer, eval_data_dir, ["aime24", "amc23"])
     directory = tmp_path_factory.mktemp("paper") / "stapo"
     results, _ = evaluate(directory, qwen3_tokenizer, tasks, aime_correct, "STAPO", TRAIN)
@@ -60,7 +61,8 @@ def paper_run(tmp_path_factory, qwen3_tokenizer, eval_data_dir):
 def test_scores_match_the_known_answers(paper_run):
     directory, results = paper_run
     expected_avg = {}
-    for name, problems in (("aime24", 30), ("amc23", 40)):
+    for name in ("aime24", "amc23"):
+        problems = ROWS[name]
         counts = [aime_correct(name, i) for i in range(problems)]
         score = results["benchmarks"][name]
         assert (score["k"], score["problems"], score["problems_total"], score["samples"]) == (32, problems, problems, 32 * problems)
@@ -87,7 +89,7 @@ def test_scores_match_the_known_answers(paper_run):
     assert json.loads((directory / "results.json").read_text()) == results
 
     lines = (directory / "responses.jsonl").read_text().splitlines()
-    assert len(lines) == 32 * 70
+    assert len(lines) == 32 * (ROWS["aime24"] + ROWS["amc23"])
     records = [json.loads(line) for line in lines]
     assert all(set(r) == set(RECORD_FIELDS) for r in records)
     first = next(r for r in records if r["uid"] == "aime24:2" and r["sample"] == 3)
@@ -122,7 +124,8 @@ def test_compare_prints_one_table_across_runs(paper_run, tmp_path, qwen3_tokeniz
         "| Model | Decoding | AIME24 | AMC23 | MATH-500 | Avg. |",
         "|:--|:--|--:|--:|--:|--:|",
         f"| STAPO | T=1.0, top-p=1.0 | {100 * a:.1f} | {100 * b:.1f} | – | – |",
-        f"| GRPO | T=0.7, top-p=0.9 | {100 * g:.1f} (5 of 30 problems) | – | {100 * m:.1f} (avg@2; 5 of 500 problems) | – |",
+        f"| GRPO | T=0.7, top-p=0.9 | {100 * g:.1f} (5 of {ROWS['aime24']} problems) | – |"
+        f" {100 * m:.1f} (avg@2; 5 of {ROWS['math500']} problems) | – |",
     ]
     assert capsys.readouterr().out.splitlines() == expected
     assert (tmp_path / "table.md").read_text().splitlines() == expected
@@ -193,7 +196,8 @@ def test_a_damaged_line_inside_the_file_is_an_error(tmp_path, qwen3_tokenizer, e
 
 
 def test_a_tokenizer_that_cannot_encode_the_benchmarks_is_a_config_error(eval_data_dir):
-    from stapo_megatron.data.synthetic import TinyTokenizer
+    from stapo_megatron.data.synthetic import synthetic_tokenizer
 
-    with pytest.raises(ConfigError, match=r"^benchmarks: aime24: the tokenizer cannot encode its prompts \(TinyTokenizer"):
-        tasks_for(TinyTokenizer(), eval_data_dir, ["aime24"], limit=1)
+    # The synthetic task's word-level tokenizer has no unknown token: a word outside it fails.
+    with pytest.raises(ConfigError, match=r"^benchmarks: aime24: the tokenizer cannot encode its prompts \(WordLevel error"):
+        tasks_for(synthetic_tokenizer(5), eval_data_dir, ["aime24"], limit=1)

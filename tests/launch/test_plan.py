@@ -153,7 +153,8 @@ def test_plan_command_errors_are_one_line(capsys):
     for argv, message in (
         (["plan", "--model", "qwen3_99b", "--gpus", "8", "--seq-len", "4096"], "unknown model preset 'qwen3_99b'"),
         (["plan", "--model", "qwen3_8b", "--gpus", "0", "--seq-len", "4096"], "--gpus: must be >= 1"),
-        (["plan", "--model", "qwen3_8b", "--gpus", "8"], "--seq-len: required"),
+        (["plan", "--gpus", "8"], "--model: give a model preset (e.g. qwen3_32b), or a training config (--config)"),
+        (["plan", "--model", "qwen3_8b"], "--gpus: required without a training config (--config)"),
         (["plan", "--model", "qwen3_8b", "--gpus", "8", "--seq-len", "4096", "--tp", "3"], "--gpus: 8 is not a multiple of TP x PP = 3"),
         (["plan", "--model", "qwen3_8b", "--gpus", "12", "--seq-len", "4096", "--tp", "3"], "TP 3 does not divide the 32 attention heads"),
         (["plan", "--model", "qwen3_8b", "--gpus", "8", "--seq-len", "4096", "--colocate-fraction", "1.5"],

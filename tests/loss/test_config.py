@@ -19,7 +19,7 @@ from stapo_megatron.loss import (
     select_tokens,
 )
 
-PRESETS = ("stapo", "grpo", "dapo", "entropy20", "justrl")
+PRESETS = ("stapo", "grpo", "dapo", "entropy20", "justrl", "grpo_kl", "stare", "clip_cov", "kl_cov", "gspo")
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "algo"
 FIELDS = {f.name for f in dataclasses.fields(AlgoConfig)}
 
@@ -56,19 +56,25 @@ def test_presets_differ_only_where_documented():
     j = p["justrl"]
     assert (1 - j.eps_low, 1 + j.eps_high) == (0.8, 1.28)
     assert j.kl_coef == j.entropy_coef == 0 and not j.dynamic_sampling and not j.overlong_shaping
+    # DeepSeekMath's KL penalty (beta 0.04, k3, in the loss) on the GRPO baseline, nothing else
+    assert _differences(p["grpo"], p["grpo_kl"]) == {"name", "kl_coef"}
+    assert (p["grpo_kl"].kl_coef, p["grpo_kl"].kl_estimator) == (0.04, "k3")
     for cfg in p.values():
-        assert (cfg.eps_low, cfg.eps_high, cfg.aggregation, cfg.kl_coef) == (0.2, 0.28, "token_mean", 0.0)
+        if cfg.objective != "ppo_clip":  # clip_cov, kl_cov, gspo: their papers' clips (tests/loss/test_objectives.py)
+            continue
+        assert (cfg.eps_low, cfg.eps_high, cfg.aggregation) == (0.2, 0.28, "token_mean")
+        assert cfg.kl_coef == (0.04 if cfg.name == "grpo_kl" else 0.0)
         assert (cfg.log_ratio_clamp, cfg.rollout_correction) == (20.0, "none")  # the papers use no correction
 
 
 @pytest.mark.parametrize(
     "override, match",
     [
-        ({"token_rule": "stare"}, "^algo.token_rule: unknown rule 'stare'"),
+        ({"token_rule": "no_such_rule"}, "^algo.token_rule: unknown rule 'no_such_rule'"),
         ({"q": 1.5}, "^algo.q: must be in"),
         ({"tau_p": 0}, "^algo.tau_p: must be in"),
         ({"top_fraction": 0}, "^algo.top_fraction:"),
-        ({"eps_low": 1.0}, "^algo.eps_low:"),
+        ({"eps_low": 1.5}, "^algo.eps_low:"),
         ({"kl_coef": -1}, "^algo.kl_coef: must be >= 0"),
         ({"tau_h": float("inf")}, "^algo.tau_h: must be a finite"),
         ({"population": "all"}, "^algo.population: 'all' is not one of"),

@@ -128,7 +128,8 @@ def _expected_rollout_statistics(data) -> dict:
             entropy += float(s.entropy[mask].double().sum())
             mismatch += float(difference.sum())
             largest = max([largest, *difference.tolist()])
-    return {"policy/entropy": entropy / tokens, "mismatch/logprob_abs_mean": mismatch / tokens, "mismatch/logprob_abs_max": largest}
+    return {"policy/statistics_tokens": tokens, "policy/entropy": entropy / tokens,
+            "mismatch/logprob_abs_mean": mismatch / tokens, "mismatch/logprob_abs_max": largest}
 
 
 def _check_default_group_refuses_cpu(ctx, shared) -> dict:

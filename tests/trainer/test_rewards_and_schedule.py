@@ -11,7 +11,7 @@ import torch
 
 from stapo_megatron.data.prompts import build_prompt_dataset
 from stapo_megatron.data.sampler import PromptSampler
-from stapo_megatron.data.synthetic import TinyTokenizer
+from stapo_megatron.data.synthetic import synthetic_tokenizer
 from stapo_megatron.rewards.result import RewardResult
 from stapo_megatron.rollout.engine import Completion
 from stapo_megatron.trainer.launcher import load_train_config
@@ -43,7 +43,7 @@ def _collect(tmp_path, lengths, verdicts, *overrides):
         f"run.output_dir={tmp_path}", "batch.prompts_per_step=2", "batch.prompts_per_minibatch=2",
         "batch.group_size=2", "batch.max_new_tokens=4", *overrides,
     ])
-    tokenizer = TinyTokenizer(distractors=cfg.data.synthetic_distractors)
+    tokenizer = synthetic_tokenizer(cfg.data.synthetic_distractors)
     dataset = build_prompt_dataset(cfg.data, tokenizer)
     collector = RolloutCollector(
         _ScriptedEngine(lengths), _ScriptedVerdicts(verdicts), tokenizer, dataset,

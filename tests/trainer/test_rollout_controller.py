@@ -11,7 +11,7 @@ import pytest
 
 from stapo_megatron.data.prompts import build_prompt_dataset
 from stapo_megatron.data.sampler import PromptSampler
-from stapo_megatron.data.synthetic import TinyTokenizer
+from stapo_megatron.data.synthetic import synthetic_tokenizer
 from stapo_megatron.trainer.launcher import RESOLVED_CONFIG, STOP_FILE, load_train_config
 from stapo_megatron.trainer.metrics import read_metrics
 from stapo_megatron.trainer.rollout import RolloutController
@@ -26,7 +26,7 @@ def test_the_controller_resumes_its_sampler_writes_rows_and_closes_everything_it
     import torch
 
     cfg = _config(tmp_path)
-    tokenizer = TinyTokenizer(distractors=cfg.data.synthetic_distractors)
+    tokenizer = synthetic_tokenizer(cfg.data.synthetic_distractors)
     reference = PromptSampler(len(build_prompt_dataset(cfg.data, tokenizer)), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     reference.next_indices(5)  # where a checkpoint of step 2 left the sampler
     run_dir = cfg.run.directory

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import subprocess
 import sys
 
@@ -58,7 +60,12 @@ def test_tiny_tp2_run_learns_and_logs_every_metric(tmp_path):
     assert (run_dir / "curves.png").stat().st_size > 10_000
     inspect = subprocess.run([sys.executable, "-m", "stapo_megatron.cli", "inspect", str(run_dir)], capture_output=True, text=True)
     assert inspect.returncode == 0, inspect.stderr
-    assert "silenced tokens in 3 dumps" in inspect.stdout or "no silenced tokens" in inspect.stdout
+    # The dumps hold exactly the tokens the update silenced at those steps, and there are some.
+    dumped = [json.loads(line) for step in (10, 20, 30)
+              for line in (run_dir / "spurious" / f"step_{step:07d}.jsonl").read_text().splitlines()]
+    assert len(dumped) == sum(rows[step - 1]["s2t/silenced_tokens"] for step in (10, 20, 30)) > 0
+    steps = sorted({entry["step"] for entry in dumped})
+    assert inspect.stdout.startswith(f"{len(dumped)} silenced tokens in {len(steps)} dumps (steps {steps[0]}..{steps[-1]}), ")
 
 
 @pytest.mark.slow
@@ -73,3 +80,55 @@ def test_tiny_pp2_run_trains_through_the_pipeline_schedule(tmp_path):
         assert row["mismatch/logprob_abs_max"] < 1e-4  # weights of both stages reach the engine
         assert math.isfinite(row["optim/grad_norm"]) and row["optim/grad_norm"] > 0
     assert rows[-1]["policy/entropy"] < rows[0]["policy/entropy"]
+
+
+# The free-words variant of the synthetic task (configs/tiny_cpu.yaml names it).
+FREE_WORDS = ["data.synthetic_distractors=241", "model.vocab_size=256", "reward.kind=free_words", "batch.max_new_tokens=2"]
+
+
+@pytest.mark.slow
+def test_free_words_run_exercises_s2t_and_its_checkpoint_loads_with_its_tokenizer(tmp_path):
+    """A shortened run of the free-words task: the free words before the answer give S2T rare
+    tokens of correct responses to silence, and the run-end checkpoint carries Hugging Face
+    tokenizer files that `stapo eval` and transformers load."""
+    from transformers import AutoTokenizer
+
+    from stapo_megatron.data.synthetic import synthetic_vocab
+
+    run_dir = tmp_path / "free_words"
+    run(train_command(run_dir, "run.steps=40", "logging.inspect_every=20", *FREE_WORDS))
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    assert sum(r["s2t/candidates"] for r in rows) > 0
+    assert sum(r["s2t/silenced_candidates"] for r in rows) > 0
+    assert max(r["s2t/masked_fraction"] for r in rows) < 0.01  # the paper's regime: few tokens masked
+    inspect = subprocess.run([sys.executable, "-m", "stapo_megatron.cli", "inspect", str(run_dir)],
+                             capture_output=True, text=True)
+    assert inspect.returncode == 0, inspect.stderr
+    assert re.search(r"^\d+ silenced tokens in [12] dumps \(steps (20|40)\.\.40\)", inspect.stdout, re.M), inspect.stdout
+    assert "]]" in inspect.stdout.split("example contexts")[1]  # contexts around the silenced tokens
+    dumped = [json.loads(line) for path in sorted((run_dir / "spurious").glob("*.jsonl")) for line in path.read_text().splitlines()]
+    assert dumped and all(e["correct"] and e["advantage"] > 0 and e["probability"] < 0.002 for e in dumped)
+
+    checkpoint = run_dir / "checkpoints" / "iter_0000040"
+    assert (checkpoint / "hf_assets" / "tokenizer.json").is_file()
+    assert (checkpoint / "hf_assets" / "tokenizer_config.json").is_file()
+    data_dir = tmp_path / "bench"
+    data_dir.mkdir()
+    problems = [("3 + 4 =", "7"), ("9 + 9 =", "8")]
+    (data_dir / "math500.jsonl").write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in problems))
+    export, out = tmp_path / "export", tmp_path / "eval"
+    done = subprocess.run(
+        [sys.executable, "-m", "stapo_megatron.cli", "eval", "--model", str(checkpoint), "--export-dir", str(export),
+         "--data-dir", str(data_dir), "--benchmarks", "math500", "--template", "raw", "--k", "2",
+         "--max-new-tokens", "3", "--reward-workers", "1", "--device", "cpu", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    score = json.loads((out / "results.json").read_text())["benchmarks"]["math500"]
+    assert (score["problems"], score["samples"]) == (2, 4)
+    responses = [json.loads(line)["response"] for line in (out / "responses.jsonl").read_text().splitlines()]
+    assert len(responses) == 4 and all(set(r.split()) <= set(synthetic_vocab(241)) for r in responses), responses
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    assert tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) == synthetic_vocab(241)
+    assert tokenizer("3 + 4 =")["input_ids"] == [1, 6, 13, 7, 14]

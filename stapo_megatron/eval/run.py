@@ -1,0 +1,125 @@
+"""``stapo eval``'s work: check the model and tokenizer, sample what is missing, write the results.
+
+Everything that can be checked without weights is checked first (the model's files, the
+tokenizer and that its vocabulary fits the model's embedding, the benchmark files, the output
+directory); only then is a checkpoint exported and an engine started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from stapo_megatron.config import ConfigError
+from stapo_megatron.config.command import FieldNames
+from stapo_megatron.eval.config import EvalCommandConfig
+from stapo_megatron.models.qwen3.config import Qwen3Config
+
+DEFAULT_OUT_ROOT = "eval_results"
+
+
+def _log(text: str) -> None:
+    print(f"[stapo eval] {text}", file=sys.stderr, flush=True)
+
+
+def compare(cfg: EvalCommandConfig) -> None:
+    """One table over finished evaluations (printed, and written to ``cfg.out`` when given)."""
+    from stapo_megatron.eval.report import load_results, markdown_table
+    from stapo_megatron.eval.store import write_atomic
+
+    table = markdown_table([load_results(path) for path in cfg.compare])
+    if cfg.out:
+        write_atomic(cfg.out, table)
+    print(table, end="")
+
+
+def check_vocabulary_fits(tokenizer: Any, arch: Qwen3Config, tokenizer_dir: Path, model: str, field: str) -> None:
+    """A token id at or past the embedding's rows would index outside it once the model runs."""
+    tokens = len(tokenizer)
+    if tokens > arch.vocab_size:
+        raise ConfigError(f"{field}: the tokenizer in {tokenizer_dir} has {tokens:,} tokens, more than the "
+                          f"{arch.vocab_size:,} embedding rows of the model {model}; give the model's own tokenizer")
+
+
+def with_engine_model(cfg: EvalCommandConfig, hf_dir: Path):
+    """The rollout config whose launched SGLang servers load ``hf_dir``: the config's loader points
+    them at the evaluated model, and a Megatron checkpoint is served by its Hugging Face export."""
+    sglang = cfg.rollout.sglang
+    if cfg.rollout.engine != "sglang" or sglang.model_path != cfg.model:
+        return cfg.rollout
+    return dataclasses.replace(cfg.rollout, sglang=dataclasses.replace(sglang, model_path=str(hf_dir)))
+
+
+def evaluate(cfg: EvalCommandConfig, names: FieldNames) -> None:
+    import torch
+
+    from stapo_megatron.data.prompts import PromptEncoder, default_stop_token_ids
+    from stapo_megatron.eval.model import HFExport, default_model_name, inspect_model, load_tokenizer, start_engine
+    from stapo_megatron.eval.report import markdown_table
+    from stapo_megatron.eval.runner import (
+        RESULTS_FILE,
+        EvalRun,
+        Sampling,
+        default_problems_per_call,
+        load_tasks,
+        prompt_settings,
+    )
+
+    source = inspect_model(cfg.model, cfg.tokenizer or None)
+    tokenizer = load_tokenizer(source.tokenizer_dir)
+    check_vocabulary_fits(tokenizer, source.arch, source.tokenizer_dir, cfg.model, names.name("tokenizer"))
+    try:
+        encoder = PromptEncoder(tokenizer, cfg.template, cfg.chat_template, cfg.chat_template_kwargs)
+    except ValueError as err:
+        raise ConfigError(f"{names.name('chat_template')}: {err}") from None
+    try:
+        tasks = load_tasks(cfg.eval, encoder)
+    except ConfigError as err:  # named relative to the eval section
+        raise names.rename(ConfigError(f"eval.{err}")) from None
+    export = HFExport(source, cfg.export_dir or None)
+    try:
+        rollout_cfg = with_engine_model(cfg, export.hf_dir)
+        name = cfg.name or default_model_name(source.path)
+        out = Path(cfg.out) if cfg.out else (
+            Path(DEFAULT_OUT_ROOT) / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}-{cfg.eval.decoding}")
+        temperature, top_p = cfg.eval.sampling
+        sampling = Sampling(
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=cfg.eval.max_new_tokens,
+            stop_token_ids=tuple(default_stop_token_ids(tokenizer, cfg.chat_template)),
+            seed=cfg.eval.seed,
+            problems_per_call=cfg.eval.problems_per_call or default_problems_per_call(rollout_cfg.engine),
+        )
+        settings = {"model": str(source.path.resolve()), "engine": rollout_cfg.engine,
+                    **prompt_settings(encoder, cfg.reward)}
+        try:
+            run = EvalRun(out, tasks, sampling, settings, fresh=cfg.overwrite)
+        except ConfigError as err:
+            raise ConfigError(f"{names.name('out')}: {err}") from None
+        with run:
+            pending = run.pending()
+            if pending:
+                _log(f"{pending} responses to sample into {out}")
+                hf_dir = export.materialize(log=_log)
+                device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+                engine = start_engine(rollout_cfg, source, hf_dir, device, out)
+                try:
+                    run.generate(engine, tokenizer, cfg.reward, log=_log)
+                finally:
+                    engine.shutdown()
+            results = run.results(name, {"preset": cfg.eval.decoding, "temperature": temperature, "top_p": top_p})
+    finally:
+        export.cleanup()
+    print(markdown_table([results]), end="")
+    _log(f"results in {out / RESULTS_FILE}")
+
+
+def run_eval_command(cfg: EvalCommandConfig, names: FieldNames) -> None:
+    if cfg.compare:
+        compare(cfg)
+    else:
+        evaluate(cfg, names)

@@ -1,0 +1,1 @@
+"""Experiments that compare the algorithm presets with whole training runs (``stapo experiment``)."""
