@@ -30,7 +30,7 @@ def newest_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str
     # iter_ + a zero-padded step: the names sort as the steps do
     for candidate in sorted(Path(run_dir, "checkpoints").glob("iter_*"), reverse=True):
         try:
-            verify_checkpoint(candidate, full=False)
+            verify_checkpoint(candidate, full=False, collective=False)
         except ConfigError as err:
             skipped.append(str(err))
             continue

@@ -202,25 +202,29 @@ def _warn(message: str) -> None:
         print(f"[stapo] warning: {message}", file=sys.stderr, flush=True)
 
 
-def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True) -> dict:
+def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, collective: bool = True) -> dict:
     """Check every file of a checkpoint against its marker (present, nothing extra, size, sha256);
     returns the marker. Any difference is a one-line ConfigError naming the file.
 
     Collective when torch.distributed is running (every rank calls it and every rank gets the same
     result; the hashing is shared). ``full=False`` hashes all but the large ``*.distcp`` data files
     (their sizes are still checked): a cheap check before the ranks do the full one.
+    ``collective=False``: this process alone, whether or not torch.distributed is running (one
+    rank looking at a run directory, as the end-of-run summary does).
     """
     directory = Path(directory)
-    group = cpu_group()
+    together = collective and _distributed()
+    group = cpu_group() if together else None
+    rank, world = (_rank(), _world()) if together else (0, 1)
     verdict = None
-    if _rank() == 0:
+    if rank == 0:
         try:
             verdict = ("ok", *_inspect(directory, full))
         except ConfigError as err:
             verdict = ("error", str(err), None)
         except Exception as err:  # an unreadable directory must not leave the other ranks waiting
             verdict = ("error", f"{directory}: cannot be checked: {type(err).__name__}: {err}", None)
-    if _distributed():
+    if together:
         verdict = _broadcast(verdict, group)
     status, marker, to_hash = verdict
     if status == "error":
@@ -229,7 +233,7 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True) -> dic
         _warn(f"{directory}: written before checkpoints recorded checksums; its integrity cannot be verified")
         return marker
     sizes = {name: size for name, size, _ in to_hash}
-    share = assign_shares(sizes, _world())[_rank()]
+    share = assign_shares(sizes, world)[rank]
     results = _hash_share(directory, share)
     expected = {name: digest for name, _, digest in to_hash}
     errors = {}
@@ -240,7 +244,7 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True) -> dic
             errors[name] = (
                 f"{directory / name}: contents differ from the {HASH} recorded in {COMPLETE_MARKER} (damaged or modified)"
             )
-    if _distributed():
+    if together:
         errors = {name: message for part in _all_gather(errors, group) for name, message in part.items()}
     if errors:
         raise ConfigError(errors[min(errors)])

@@ -145,3 +145,35 @@ def test_resume_with_only_damaged_checkpoints_is_refused(run_copy):
     result = _resume(run_copy, 3)
     assert result.returncode != 0
     assert "no intact checkpoint to resume from (2 damaged; newest iter_0000002:" in result.stderr, result.stderr[-3000:]
+
+
+def _rank_zero_checks_alone(run_dir: str, out: str) -> None:
+    """Two gloo ranks; only rank 0 looks for the newest intact checkpoint, as the end-of-run summary
+    of a rank started by torchrun or SLURM does. A collective check there waits for a rank that never
+    comes (the bug the SLURM tests found)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from stapo_megatron.checkpoint.cli import newest_intact_checkpoint
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    try:
+        if dist.get_rank() == 0:
+            newest, skipped = newest_intact_checkpoint(run_dir)
+            with open(out, "w") as f:
+                json.dump({"newest": str(newest), "skipped": skipped}, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_finds_the_newest_intact_checkpoint_without_the_others(run_copy, tmp_path):
+    from stapo_megatron.runtime.launch import spawn_ranks
+
+    flip_byte(run_copy / "checkpoints" / "iter_0000002" / ".metadata")
+    out = tmp_path / "newest.json"
+    spawn_ranks(_rank_zero_checks_alone, 2, str(run_copy), str(out))
+    found = json.loads(out.read_text())
+    assert found["newest"] == str(run_copy / "checkpoints" / "iter_0000001")
+    assert len(found["skipped"]) == 1 and "iter_0000002" in found["skipped"][0]
