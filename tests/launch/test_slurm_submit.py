@@ -87,7 +87,9 @@ def test_tiny_run_through_slurm(slurm_cluster, tmp_path):
 
     logs = stapo("logs", exp_id, env=env, cwd=work, timeout=120)
     assert logs.returncode == 0, logs.stderr
-    assert "[default0]" in logs.stderr and "[default1]" in logs.stderr  # both ranks, through torchrun's --tee
+    # rank 0's lines through torchrun's --tee (rank 1 prints nothing since Megatron's import
+    # warnings are filtered)
+    assert "[default0]:[stapo] run complete: step 3/3" in logs.stderr
     assert "worker group successfully finished" in logs.stderr
 
 

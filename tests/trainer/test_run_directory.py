@@ -540,13 +540,12 @@ def test_the_run_directory_across_runs(tmp_path):
 
 @pytest.mark.slow
 def test_a_bad_data_file_fails_before_torchrun(tmp_path):
-    from tests.data.conftest import QWEN3_TOKENIZER
+    from tests.fixtures import write_qwen3_tokenizer
 
-    if not (QWEN3_TOKENIZER / "tokenizer.json").is_file():
-        pytest.skip(f"the Qwen3 tokenizer is not at {QWEN3_TOKENIZER}")
+    tokenizer = write_qwen3_tokenizer(tmp_path / "qwen3-tokenizer")
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"problem": "1+1", "answer": "2"}\n{not json\n')
-    result = _stapo_train(tmp_path / "run", f"data.source={data}", "data.bad_rows=error", f"tokenizer={QWEN3_TOKENIZER}")
+    result = _stapo_train(tmp_path / "run", f"data.source={data}", "data.bad_rows=error", f"tokenizer={tokenizer}")
     line = _error_line(result)
     assert f"{data}: row 2: malformed JSON" in line
     # Before: the error came from rank 0 after torchrun and the model had started (33 s, against
