@@ -81,8 +81,10 @@ def main() -> None:
             raise SystemExit(f"{name}: the searches disagree: former {former_span}, current {current_span}")
         whole, span = best_time(extract.find_last_box, text, repeats=args.repeats)
         ratio = former / max(current, 1e-9)
-        print(f"{name:40s} {former:10.4f} {current:10.4f} {ratio:8.0f}x  {span.reason or 'answer'} "
-              f"(whole find_last_box: {whole:.4f} s)")
+        print(
+            f"{name:40s} {former:10.4f} {current:10.4f} {ratio:8.0f}x  {span.reason or 'answer'} "
+            f"(whole find_last_box: {whole:.4f} s)"
+        )
 
 
 if __name__ == "__main__":

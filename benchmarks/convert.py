@@ -27,8 +27,22 @@ from stapo_megatron.models.qwen3.state_dict_adapter import hf_tensor_shapes
 from stapo_megatron.runtime.launch import spawn_ranks
 
 SHAPES = {
-    0.5: dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8, head_dim=64),
-    2: dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=14, num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+    0.5: dict(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+    ),
+    2: dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=14,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
 }
 LAYOUTS = [(1, 1), (2, 2)]
 GB = 1e9
@@ -104,11 +118,26 @@ def main() -> None:
             staging.mkdir()
             to_hf, peaks_out = run(world, convert.megatron_to_hf_rank, str(mg_dir), tp, pp, None, 1 << 30, str(staging))
             for direction, seconds, peaks in (("HF->Megatron", to_mg, peaks_in), ("Megatron->HF", to_hf, peaks_out)):
-                rows.append((size, nbytes, f"TP{tp}xPP{pp}", direction, seconds, nbytes / seconds / GB, max(base), peaks, nbytes / world, biggest))
+                rows.append(
+                    (
+                        size,
+                        nbytes,
+                        f"TP{tp}xPP{pp}",
+                        direction,
+                        seconds,
+                        nbytes / seconds / GB,
+                        max(base),
+                        peaks,
+                        nbytes / world,
+                        biggest,
+                    )
+                )
             for d in (mg_dir, staging):
                 shutil.rmtree(d, ignore_errors=True)
         shutil.rmtree(hf_dir)
-    print(f"{'model':>8} {'layout':>9} {'direction':>13} {'seconds':>8} {'GB/s':>6} {'baseline':>9}  peak RSS per rank (GB), minus baseline, / (model/ranks + largest tensor)")
+    print(
+        f"{'model':>8} {'layout':>9} {'direction':>13} {'seconds':>8} {'GB/s':>6} {'baseline':>9}  peak RSS per rank (GB), minus baseline, / (model/ranks + largest tensor)"
+    )
     for size, nbytes, layout, direction, seconds, rate, base, peaks, share, biggest in rows:
         extra = [(p - base) / GB for p in peaks]
         ratio = [(p - base) / (share + biggest) for p in peaks]
@@ -116,8 +145,10 @@ def main() -> None:
             f"{nbytes / GB:7.2f}G {layout:>9} {direction:>13} {seconds:8.1f} {rate:6.3f} {base / GB:8.2f}G  "
             + "  ".join(f"{p / GB:.2f} (+{e:.2f}, x{r:.2f})" for p, e, r in zip(peaks, extra, ratio))
         )
-    print("Each rank's growth over the baseline is shown as a multiple of (model/ranks + largest tensor):"
-          " it stays flat from 0.5 GB to 2 GB instead of growing with the whole model.")
+    print(
+        "Each rank's growth over the baseline is shown as a multiple of (model/ranks + largest tensor):"
+        " it stays flat from 0.5 GB to 2 GB instead of growing with the whole model."
+    )
 
 
 if __name__ == "__main__":

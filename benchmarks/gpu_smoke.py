@@ -37,8 +37,16 @@ from stapo_megatron.runtime.launch import spawn_ranks  # noqa: E402
 
 QWEN3_VOCAB = 151_936
 SMALL_QWEN3 = dict(
-    vocab_size=QWEN3_VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-    num_key_value_heads=4, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    vocab_size=QWEN3_VOCAB,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
 )
 # max |logits difference| / max |logits| allowed against transformers (different kernels and op order)
 LOGITS_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}  # bf16 on CPU: 1.5e-2
@@ -113,8 +121,10 @@ def check_logits(hf_dir: Path, device: torch.device, workdir: Path, outcomes: di
         relative = float((got - reference).abs().max() / reference.abs().max())
         same_argmax = float((got.argmax(-1) == reference.argmax(-1)).float().mean())
         _report(
-            f"logits {dtype_name} vs transformers", got.shape == reference.shape and relative <= tolerance,
-            f"max|diff|/max|logit| = {relative:.2e} (<= {tolerance:.0e}), same argmax {same_argmax:.1%}", outcomes,
+            f"logits {dtype_name} vs transformers",
+            got.shape == reference.shape and relative <= tolerance,
+            f"max|diff|/max|logit| = {relative:.2e} (<= {tolerance:.0e}), same argmax {same_argmax:.1%}",
+            outcomes,
         )
 
 
@@ -157,16 +167,24 @@ def check_token_statistics(device: torch.device, tokens: int, outcomes: dict[str
             if device.type == "cuda" and repeat == 0:
                 peak = torch.cuda.max_memory_allocated(device) - base
         results[name] = (best, peak, logprob.detach(), entropy.detach(), logits.grad.clone())
-    (t_ours, m_ours, lp_ours, h_ours, g_ours), (t_naive, m_naive, lp_naive, h_naive, g_naive) = results["ours"], results["naive"]
+    (t_ours, m_ours, lp_ours, h_ours, g_ours), (t_naive, m_naive, lp_naive, h_naive, g_naive) = (
+        results["ours"],
+        results["naive"],
+    )
     logprob_diff = float((lp_ours - lp_naive).abs().max())
     entropy_diff = float((h_ours - h_naive).abs().max())
     grad_diff = float((g_ours.float() - g_naive.float()).abs().max())
-    memory = (f"peak {m_ours / 2**30:.2f} GiB vs naive {m_naive / 2**30:.2f} GiB ({m_ours / m_naive:.2f}x)"
-              if m_ours is not None else "peak memory: CUDA only")
+    memory = (
+        f"peak {m_ours / 2**30:.2f} GiB vs naive {m_naive / 2**30:.2f} GiB ({m_ours / m_naive:.2f}x)"
+        if m_ours is not None
+        else "peak memory: CUDA only"
+    )
     _report(
-        f"token statistics, {tokens} tokens x V={QWEN3_VOCAB} bf16", max(logprob_diff, entropy_diff) <= 1e-3 and grad_diff <= 1e-2,
+        f"token statistics, {tokens} tokens x V={QWEN3_VOCAB} bf16",
+        max(logprob_diff, entropy_diff) <= 1e-3 and grad_diff <= 1e-2,
         f"time {t_ours * 1e3:.1f} ms vs naive {t_naive * 1e3:.1f} ms ({t_ours / t_naive:.2f}x); {memory}; "
-        f"max|diff| log-prob {logprob_diff:.1e}, entropy {entropy_diff:.1e}, grad {grad_diff:.1e}", outcomes,
+        f"max|diff| log-prob {logprob_diff:.1e}, entropy {entropy_diff:.1e}, grad {grad_diff:.1e}",
+        outcomes,
     )
 
 
@@ -178,14 +196,21 @@ def check_train_resume(workdir: Path, steps: int, outcomes: dict[str, bool]) -> 
     from tests.trainer.runs import checkpoint_tensors, kill_when, metrics, run, start_session, train_command
 
     half = steps // 2
-    overrides = ["parallel.tensor_parallel=1", f"run.steps={steps}", f"checkpoint.save_every={half}",
-                 "checkpoint.keep_last=10", "logging.inspect_every=5"]
+    overrides = [
+        "parallel.tensor_parallel=1",
+        f"run.steps={steps}",
+        f"checkpoint.save_every={half}",
+        "checkpoint.keep_last=10",
+        "logging.inspect_every=5",
+    ]
     reference_dir, resumed_dir = workdir / "reference", workdir / "resumed"
     start = time.perf_counter()
     run(train_command(reference_dir, *overrides), timeout=900)
     reference_seconds = time.perf_counter() - start
     process = start_session(train_command(resumed_dir, *overrides))
-    kill_when(process, lambda: (resumed_dir / "checkpoints" / f"iter_{half:07d}" / COMPLETE_MARKER).is_file(), timeout=900)
+    kill_when(
+        process, lambda: (resumed_dir / "checkpoints" / f"iter_{half:07d}" / COMPLETE_MARKER).is_file(), timeout=900
+    )
     resumed = run(train_command(resumed_dir, *overrides), timeout=900)
     final = f"iter_{steps:07d}"
     reference = checkpoint_tensors(reference_dir / "checkpoints" / final)
@@ -203,7 +228,8 @@ def check_train_resume(workdir: Path, steps: int, outcomes: dict[str, bool]) -> 
         "resumed from" in resumed.stdout and not differing and same_metrics and len(resumed_rows) == steps,
         f"{len(parameters) - len(differing)}/{len(parameters)} parameters bit-identical"
         f"{' (differ: ' + ', '.join(differing[:3]) + ')' if differing else ''}; metrics of steps {half + 1}-{steps} "
-        f"{'equal' if same_metrics else 'differ'}; uninterrupted run {reference_seconds:.0f} s", outcomes,
+        f"{'equal' if same_metrics else 'differ'}; uninterrupted run {reference_seconds:.0f} s",
+        outcomes,
     )
 
 
@@ -228,7 +254,12 @@ def check_conversion(hf_dir: Path, workdir: Path, outcomes: dict[str, bool]) -> 
 
     source, exported = tensors(hf_dir), tensors(back)
     exact = sorted(source) == sorted(exported) and all(torch.equal(source[k], exported[k]) for k in source)
-    _report("conversion HF -> Megatron -> HF", exact, f"{len(exported)} tensors {'bit-exact' if exact else 'DIFFER'}; {seconds:.0f} s", outcomes)
+    _report(
+        "conversion HF -> Megatron -> HF",
+        exact,
+        f"{len(exported)} tensors {'bit-exact' if exact else 'DIFFER'}; {seconds:.0f} s",
+        outcomes,
+    )
 
 
 def main(argv=None) -> int:
@@ -239,8 +270,11 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu", action="store_true", help="run the checks on the CPU (to check this script)")
     args = parser.parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
-        print(f"gpu_smoke: skipped: no CUDA device (torch {torch.__version__}, built with CUDA {torch.version.cuda}); "
-              "--cpu runs the checks on the CPU", flush=True)
+        print(
+            f"gpu_smoke: skipped: no CUDA device (torch {torch.__version__}, built with CUDA {torch.version.cuda}); "
+            "--cpu runs the checks on the CPU",
+            flush=True,
+        )
         return 0
     if args.train_steps < 2 or args.train_steps % 2:
         parser.error("--train-steps: an even number >= 2")
@@ -248,8 +282,11 @@ def main(argv=None) -> int:
     device = _device(args.cpu)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="gpu_smoke_"))
     workdir.mkdir(parents=True, exist_ok=True)
-    print(f"gpu_smoke on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
-          f"workdir {workdir}", flush=True)
+    print(
+        f"gpu_smoke on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+        f"workdir {workdir}",
+        flush=True,
+    )
     outcomes: dict[str, bool] = {}
     start = time.perf_counter()
     try:
@@ -262,8 +299,11 @@ def main(argv=None) -> int:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     failed = [name for name, ok in outcomes.items() if not ok]
-    print(f"gpu_smoke: {len(outcomes) - len(failed)}/{len(outcomes)} checks passed in {time.perf_counter() - start:.0f} s"
-          f"{'; failed: ' + ', '.join(failed) if failed else ''}", flush=True)
+    print(
+        f"gpu_smoke: {len(outcomes) - len(failed)}/{len(outcomes)} checks passed in {time.perf_counter() - start:.0f} s"
+        f"{'; failed: ' + ', '.join(failed) if failed else ''}",
+        flush=True,
+    )
     return 1 if failed else 0
 
 

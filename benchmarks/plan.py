@@ -30,8 +30,15 @@ from stapo_megatron.runtime.launch import spawn_ranks
 
 LAYOUTS = {"qwen3_14b": [(4, 1), (4, 2), (8, 1), (8, 2)], "qwen3_32b": [(8, 1), (8, 2), (8, 4)]}
 ARCH = Qwen3Config(
-    vocab_size=4096, hidden_size=192, intermediate_size=640, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False,
+    vocab_size=4096,
+    hidden_size=192,
+    intermediate_size=640,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
 )
 
 
@@ -44,8 +51,10 @@ def _meta_rank(out: str) -> None:
         for tp, pp in layouts:
             for stage in range(pp):
                 model = meta_stage(arch, tp, pp, stage)
-                result[f"{preset}/{tp}/{pp}/{stage}"] = [[n, p.numel(), bool(getattr(p, "shared_embedding", False)),
-                                                          p.element_size()] for n, p in model.named_parameters()]
+                result[f"{preset}/{tp}/{pp}/{stage}"] = [
+                    [n, p.numel(), bool(getattr(p, "shared_embedding", False)), p.element_size()]
+                    for n, p in model.named_parameters()
+                ]
     with open(os.path.join(out, "meta.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)
 
@@ -59,8 +68,9 @@ def _activation_rank(out: str, tp: int, cases: list) -> None:
     init_distributed(ParallelConfig(tensor_parallel=tp), seed=0)
     rows = []
     for seq, recompute, dtype in cases:
-        peak = activation_peak(ARCH, seq_len=seq, micro_batch=2, recompute=recompute,
-                               params_dtype=getattr(torch, dtype), logits_chunk=256)
+        peak = activation_peak(
+            ARCH, seq_len=seq, micro_batch=2, recompute=recompute, params_dtype=getattr(torch, dtype), logits_chunk=256
+        )
         rows.append([seq, recompute, dtype, peak])
     if dist.get_rank() == 0:
         with open(os.path.join(out, f"act_tp{tp}.json"), "w", encoding="utf-8") as f:
@@ -85,10 +95,14 @@ def main() -> None:
         arch = build(Qwen3Config, preset)
         mine = plan.stage_parameters(arch, int(tp), int(pp), int(stage))
         same = [[p.name, p.numel] for p in mine] == [row[:2] for row in signature]
-        st = plan.stage_memory(arch, plan.Layout(int(tp), int(pp), 4), plan.Workload(seq_len=8, kernels="local"), int(stage))
-        print(f"  {preset} TP{tp} PP{pp} stage {stage}: {sum(r[1] for r in signature):>14,} (meta) "
-              f"{sum(p.numel for p in mine):>14,} (plan) {'exact' if same else 'DIFFERENT'}; "
-              f"optimizer at DP4 {st.optimizer / 2**30:.3f} GiB")
+        st = plan.stage_memory(
+            arch, plan.Layout(int(tp), int(pp), 4), plan.Workload(seq_len=8, kernels="local"), int(stage)
+        )
+        print(
+            f"  {preset} TP{tp} PP{pp} stage {stage}: {sum(r[1] for r in signature):>14,} (meta) "
+            f"{sum(p.numel for p in mine):>14,} (plan) {'exact' if same else 'DIFFERENT'}; "
+            f"optimizer at DP4 {st.optimizer / 2**30:.3f} GiB"
+        )
 
     print("\nactivation peak of forward + backward, small Qwen3 on CPU (local spec), micro-batch 2:")
     print(f"  {'TP':>2} {'seq':>5} {'recompute':>9} {'dtype':>8} {'measured MiB':>12} {'planned MiB':>11} {'error':>7}")
@@ -98,11 +112,14 @@ def main() -> None:
         with open(os.path.join(out, f"act_tp{tp}.json"), encoding="utf-8") as f:
             measured = json.load(f)
         for seq, recompute, dtype, peak in measured:
-            work = plan.Workload(seq_len=seq, micro_batch=2, recompute=recompute, kernels="local", params_dtype=dtype,
-                                 logits_chunk=256)
+            work = plan.Workload(
+                seq_len=seq, micro_batch=2, recompute=recompute, kernels="local", params_dtype=dtype, logits_chunk=256
+            )
             est = plan.stage_memory(ARCH, plan.Layout(tp, 1, 1), work, 0).peak_activations
-            print(f"  {tp:>2} {seq:>5} {recompute:>9} {dtype:>8} {peak / 2**20:>12.1f} {est / 2**20:>11.1f} "
-                  f"{100 * (est - peak) / peak:>+6.1f}%")
+            print(
+                f"  {tp:>2} {seq:>5} {recompute:>9} {dtype:>8} {peak / 2**20:>12.1f} {est / 2**20:>11.1f} "
+                f"{100 * (est - peak) / peak:>+6.1f}%"
+            )
 
 
 if __name__ == "__main__":

@@ -129,7 +129,9 @@ def _case(dtype_name, tokens, vocab, tp, chunk, repeats, methods, out_dir):
         del loss
         logits.grad = None
         result[method] = dict(
-            extra=max(fwd_peak, bwd_peak), work=max(fwd_peak, bwd_peak - grad_bytes), time=float("inf"),
+            extra=max(fwd_peak, bwd_peak),
+            work=max(fwd_peak, bwd_peak - grad_bytes),
+            time=float("inf"),
             fp32_logits=tokens * local * 4,
         )
     # Timed rounds interleave the methods, so that load from elsewhere hits them alike; best of rounds.
@@ -163,20 +165,26 @@ def main(argv=None):
     args = parser.parse_args(argv)
     gib = 1 << 30
 
-    print(f"tokens={args.tokens} vocab={args.vocab} cpus={os.cpu_count()}; work/fp32: working memory / one fp32 copy "
-          "of the logits slice; t/..: time ratio; x/..: extra-memory ratio")
-    header = (f"{'tp':>2} {'dtype':>5} {'method':>8} {'time s':>7} {'extra GiB':>9} {'work GiB':>8} "
-              f"{'work/fp32':>9} {'t/naive':>7} {'t/meg':>6} {'x/naive':>7} {'x/meg':>6}")
+    print(
+        f"tokens={args.tokens} vocab={args.vocab} cpus={os.cpu_count()}; work/fp32: working memory / one fp32 copy "
+        "of the logits slice; t/..: time ratio; x/..: extra-memory ratio"
+    )
+    header = (
+        f"{'tp':>2} {'dtype':>5} {'method':>8} {'time s':>7} {'extra GiB':>9} {'work GiB':>8} "
+        f"{'work/fp32':>9} {'t/naive':>7} {'t/meg':>6} {'x/naive':>7} {'x/meg':>6}"
+    )
     print(header)
     print("-" * len(header))
     for tp in args.tp:
         for dtype_name in args.dtypes:
             res = run_case(dtype_name, args.tokens, args.vocab, tp, args.chunk, args.repeats)
             for m, r in res.items():
-                print(f"{tp:>2} {dtype_name:>5} {m:>8} {r['time']:>7.3f} {r['extra'] / gib:>9.3f} "
-                      f"{r['work'] / gib:>8.3f} {r['work'] / r['fp32_logits']:>9.3f} "
-                      f"{r['time'] / res['naive']['time']:>7.2f} {r['time'] / res['megatron']['time']:>6.2f} "
-                      f"{r['extra'] / res['naive']['extra']:>7.2f} {r['extra'] / res['megatron']['extra']:>6.2f}")
+                print(
+                    f"{tp:>2} {dtype_name:>5} {m:>8} {r['time']:>7.3f} {r['extra'] / gib:>9.3f} "
+                    f"{r['work'] / gib:>8.3f} {r['work'] / r['fp32_logits']:>9.3f} "
+                    f"{r['time'] / res['naive']['time']:>7.2f} {r['time'] / res['megatron']['time']:>6.2f} "
+                    f"{r['extra'] / res['naive']['extra']:>7.2f} {r['extra'] / res['megatron']['extra']:>6.2f}"
+                )
     if args.sweep:
         methods = [f"ours@{c}" for c in args.sweep]
         res = run_case("fp32", args.tokens, args.vocab, 1, None, args.repeats, methods=methods)

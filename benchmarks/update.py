@@ -65,8 +65,15 @@ import torch  # noqa: E402
 from stapo_megatron.runtime.launch import spawn_ranks  # noqa: E402
 
 SMALL_QWEN3 = dict(
-    vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-    num_key_value_heads=4, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=False,
+    vocab_size=8192,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
 )
 
 
@@ -103,8 +110,16 @@ def rollout(prompts: int, group: int, cap: int, vocab: int, seed: int = 0):
     correct[:, 0], correct[:, 1] = 1.0, 0.0
     correct[: prompts // 4] = torch.tensor([float(i % 2) for i in range(prompts // 4)])[:, None]  # advantage 0
     advantages = (correct - correct.mean(1, keepdim=True)) / (correct.std(1, keepdim=True) + 1e-6)
-    return RolloutBatch(prompt_ids, response_ids, logprobs, torch.zeros(n, dtype=torch.bool), correct.reshape(-1),
-                        correct.reshape(-1).clone(), advantages.reshape(-1), torch.arange(prompts).repeat_interleave(group))
+    return RolloutBatch(
+        prompt_ids,
+        response_ids,
+        logprobs,
+        torch.zeros(n, dtype=torch.bool),
+        correct.reshape(-1),
+        correct.reshape(-1).clone(),
+        advantages.reshape(-1),
+        torch.arange(prompts).repeat_interleave(group),
+    )
 
 
 class PeakMemory:
@@ -208,19 +223,32 @@ def measure(report: str, variant: str, prompts: int, group: int, cap: int, budge
 
     def updater(skip: bool):
         cfg = SimpleNamespace(
-            batch=SimpleNamespace(minibatches_per_step=2, max_tokens_per_microbatch=budget, max_tokens_per_forward=2 * budget,
-                                  skip_zero_advantage=skip, temperature=1.0),
-            compute=SimpleNamespace(logits_chunk_size=256), parallel=SimpleNamespace(sequence_parallel=False),
+            batch=SimpleNamespace(
+                minibatches_per_step=2,
+                max_tokens_per_microbatch=budget,
+                max_tokens_per_forward=2 * budget,
+                skip_zero_advantage=skip,
+                temperature=1.0,
+            ),
+            compute=SimpleNamespace(logits_chunk_size=256),
+            parallel=SimpleNamespace(sequence_parallel=False),
             algo=AlgoConfig(),
         )
         model = build_stage(arch, calculate_per_token_loss=True)
         model.load_state_dict(weights)
-        ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False))
+        ddp = DistributedDataParallel(
+            config=model.config,
+            module=model,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            ),
+        )
         model.config.finalize_model_grads_func = finalize_model_grads
         model.config.no_sync_func = ddp.no_sync
-        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-5, params_dtype=torch.float32,
-                                                           use_distributed_optimizer=False), [ddp])
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=1e-5, params_dtype=torch.float32, use_distributed_optimizer=False),
+            [ddp],
+        )
         return PolicyUpdater(ddp, optimizer, cfg, arch, ctx), cfg
 
     packed, skip, per_microbatch = variant_layout(variant)
@@ -252,9 +280,13 @@ def measure(report: str, variant: str, prompts: int, group: int, cap: int, budge
     }
     responses = sorted(len(r) for r in batch.response_ids)
     result["batch"] = {
-        "sequences": len(batch), "tokens": tokens, "model_lengths": [model_tokens(batch, i) for i in range(len(batch))],
+        "sequences": len(batch),
+        "tokens": tokens,
+        "model_lengths": [model_tokens(batch, i) for i in range(len(batch))],
         "longest": max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)),
-        "response_quantiles": {q: responses[min(len(responses) - 1, int(q * len(responses)))] for q in (0.1, 0.5, 0.9, 0.99)},
+        "response_quantiles": {
+            q: responses[min(len(responses) - 1, int(q * len(responses)))] for q in (0.1, 0.5, 0.9, 0.99)
+        },
         "response_mean": sum(responses) / len(responses),
         "at_cap": sum(r >= cap for r in responses) / len(responses),
         "prompt_range": (min(len(p) for p in batch.prompt_ids), max(len(p) for p in batch.prompt_ids)),
@@ -299,8 +331,11 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--max-response", type=int, default=1024)
     parser.add_argument("--budget", type=int, default=1280, help="max_tokens_per_microbatch (forward passes: twice)")
-    parser.add_argument("--padded-sequences", default="1,4,16",
-                        help="micro_batch_size values of the padded baseline, comma-separated (4 is the reference)")
+    parser.add_argument(
+        "--padded-sequences",
+        default="1,4,16",
+        help="micro_batch_size values of the padded baseline, comma-separated (4 is the reference)",
+    )
     args = parser.parse_args()
     sizes = sorted({int(n) for n in args.padded_sequences.split(",")} | {4})
     variants = [f"padded/{n}" for n in sizes] + ["packed", "packed+skip"]
@@ -312,35 +347,49 @@ def main() -> None:
             results[variant] = json.loads(report.read_text())
     b = results[BASELINE]["batch"]
     quantiles = ", ".join(f"p{round(float(q) * 100)} {v}" for q, v in b["response_quantiles"].items())
-    print(f"one update of a {SMALL_QWEN3['num_hidden_layers']}-layer, hidden-{SMALL_QWEN3['hidden_size']} Qwen3 (CPU, "
-          f"{torch.get_num_threads()} threads): {b['sequences']} sequences, {b['tokens']} tokens, longest {b['longest']}")
-    print(f"response lengths: mean {b['response_mean']:.0f}, {quantiles}, {b['at_cap']:.1%} at the cap of "
-          f"{args.max_response}; prompts {b['prompt_range'][0]}-{b['prompt_range'][1]} tokens")
+    print(
+        f"one update of a {SMALL_QWEN3['num_hidden_layers']}-layer, hidden-{SMALL_QWEN3['hidden_size']} Qwen3 (CPU, "
+        f"{torch.get_num_threads()} threads): {b['sequences']} sequences, {b['tokens']} tokens, longest {b['longest']}"
+    )
+    print(
+        f"response lengths: mean {b['response_mean']:.0f}, {quantiles}, {b['at_cap']:.1%} at the cap of "
+        f"{args.max_response}; prompts {b['prompt_range'][0]}-{b['prompt_range'][1]} tokens"
+    )
     base = results[BASELINE]
-    print(f"{'variant':<12} {'s':>7} {'tokens/s':>9} {'x pad/4':>8} {'model tok':>10} {'padding':>8} {'skipped':>8} "
-          f"{'micro-b.':>9} {'peak MB':>8} {'x pad/4':>8}")
+    print(
+        f"{'variant':<12} {'s':>7} {'tokens/s':>9} {'x pad/4':>8} {'model tok':>10} {'padding':>8} {'skipped':>8} "
+        f"{'micro-b.':>9} {'peak MB':>8} {'x pad/4':>8}"
+    )
     for name, r in results.items():
-        print(f"{name:<12} {r['seconds']:>7.1f} {r['tokens_per_s']:>9.0f} {r['tokens_per_s'] / base['tokens_per_s']:>8.2f} "
-              f"{r['model_tokens']:>10} {r['padding_fraction']:>8.1%} {r['skipped_fraction']:>8.1%} {r['microbatches']:>9} "
-              f"{r['peak_memory_mb']:>8.0f} {r['peak_memory_mb'] / max(base['peak_memory_mb'], 1e-9):>8.2f}")
+        print(
+            f"{name:<12} {r['seconds']:>7.1f} {r['tokens_per_s']:>9.0f} {r['tokens_per_s'] / base['tokens_per_s']:>8.2f} "
+            f"{r['model_tokens']:>10} {r['padding_fraction']:>8.1%} {r['skipped_fraction']:>8.1%} {r['microbatches']:>9} "
+            f"{r['peak_memory_mb']:>8.0f} {r['peak_memory_mb'] / max(base['peak_memory_mb'], 1e-9):>8.2f}"
+        )
     print("where a forward pass goes (profiled statistics pass of mini-batch 1, seconds and share of its wall time):")
     print(f"{'variant':<12} {'wall':>7} {'linear':>13} {'attention':>13} {'other ops':>13} {'outside ops':>13}")
     for name, r in results.items():
         p = r["forward_profile"]
-        parts = " ".join(f"{p[k]:>6.2f} ({p[k] / p['wall']:>4.0%})" for k in ("linear", "attention", "other_ops", "outside_ops"))
+        parts = " ".join(
+            f"{p[k]:>6.2f} ({p[k] / p['wall']:>4.0%})" for k in ("linear", "attention", "other_ops", "outside_ops")
+        )
         top = ", ".join(f"{op.removeprefix('aten::')} {seconds:.2f}" for seconds, op in p["top_other"])
         print(f"{name:<12} {p['wall']:>7.2f} {parts}   largest other: {top}")
     linear, attention = flops_split(b["model_lengths"])
-    print(f"forward FLOPs of the batch without padding: linear layers {linear / 1e9:.1f} G, attention {attention / 1e9:.1f} G "
-          f"({attention / (linear + attention):.0%})")
+    print(
+        f"forward FLOPs of the batch without padding: linear layers {linear / 1e9:.1f} G, attention {attention / 1e9:.1f} G "
+        f"({attention / (linear + attention):.0%})"
+    )
     for dp in (8, 16):
         lpt, deal = dp_imbalance(dp)
         print(f"DP={dp} token imbalance on a paper-scale step: LPT {lpt:.2%} (round-robin deal {deal:.2%})")
     packed = results["packed"]
-    print(f"goals: packed padding {packed['padding_fraction']:.1%} (<= 5%), packed tokens/s "
-          + ", ".join(f"{packed['tokens_per_s'] / results[f'padded/{n}']['tokens_per_s']:.2f}x padded/{n}" for n in sizes)
-          + f" (>= 1.5x; with skipping {results['packed+skip']['tokens_per_s'] / base['tokens_per_s']:.2f}x padded/4), "
-          f"DP imbalance {dp_imbalance(8)[0]:.2%} (<= 2%)")
+    print(
+        f"goals: packed padding {packed['padding_fraction']:.1%} (<= 5%), packed tokens/s "
+        + ", ".join(f"{packed['tokens_per_s'] / results[f'padded/{n}']['tokens_per_s']:.2f}x padded/{n}" for n in sizes)
+        + f" (>= 1.5x; with skipping {results['packed+skip']['tokens_per_s'] / base['tokens_per_s']:.2f}x padded/4), "
+        f"DP imbalance {dp_imbalance(8)[0]:.2%} (<= 2%)"
+    )
 
 
 if __name__ == "__main__":

@@ -36,10 +36,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SIZES = {
     # Qwen3 shapes (head_dim 128, GQA 2:1, untied head); "full" is ~1.5 GB in bf16.
-    "small": dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=4, head_dim=128),
-    "full": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=6,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+    "small": dict(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=128,
+    ),
+    "full": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=6,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
 }
 TP, PP = 2, 2
 
@@ -77,7 +91,12 @@ class ByteCounter:
             self.received += tensor.numel() * tensor.element_size()
             return originals["recv"](tensor, src=src, group=group, tag=tag, **kw)
 
-        for name, fn in (("gather", gather), ("all_gather_into_tensor", all_gather_into_tensor), ("send", send), ("recv", recv)):
+        for name, fn in (
+            ("gather", gather),
+            ("all_gather_into_tensor", all_gather_into_tensor),
+            ("send", send),
+            ("recv", recv),
+        ):
             setattr(dist, name, fn)
 
 
@@ -169,8 +188,16 @@ def run_rank(path: str, size: str, dtype_name: str, bucket_bytes: int, out_dir: 
     peak_added = (_rss_kib("VmHWM") - rss_before) * 1024
     total = [torch.tensor([own])]
     dist.all_reduce(total[0], group=ctx.cpu_group)
-    result = dict(rank=ctx.rank, wall_s=wall, sent=counter.sent, received=counter.received, pushed=counter.pushed,
-                  own_bytes=own, peak_added=peak_added, model_bytes=int(total[0].item()))
+    result = dict(
+        rank=ctx.rank,
+        wall_s=wall,
+        sent=counter.sent,
+        received=counter.received,
+        pushed=counter.pushed,
+        own_bytes=own,
+        peak_added=peak_added,
+        model_bytes=int(total[0].item()),
+    )
     Path(out_dir, f"{path}.{ctx.rank}.json").write_text(json.dumps(result))
 
 
@@ -186,26 +213,39 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="stapo-weight-sync-bench-"))
     for path in ("rank0", "per-rank"):
         spawn_ranks(run_rank, TP * PP, path, args.size, args.dtype, bucket_bytes, str(out))
-    rows = {path: [json.loads(Path(out, f"{path}.{r}.json").read_text()) for r in range(TP * PP)] for path in ("rank0", "per-rank")}
+    rows = {
+        path: [json.loads(Path(out, f"{path}.{r}.json").read_text()) for r in range(TP * PP)]
+        for path in ("rank0", "per-rank")
+    }
     model_bytes = rows["rank0"][0]["model_bytes"]
     gb = 1024**3
-    print(f"model: {args.size}, {model_bytes / gb:.2f} GiB ({args.dtype}), TP{TP} x PP{PP}, bucket {args.bucket_mb} MiB")
-    print(f"{'path':9} {'rank':>4} {'wall s':>7} {'sent GiB':>9} {'recv GiB':>9} {'pushed GiB':>10} {'moved GiB':>9} "
-          f"{'own GiB':>8} {'peak+ GiB':>9}")
+    print(
+        f"model: {args.size}, {model_bytes / gb:.2f} GiB ({args.dtype}), TP{TP} x PP{PP}, bucket {args.bucket_mb} MiB"
+    )
+    print(
+        f"{'path':9} {'rank':>4} {'wall s':>7} {'sent GiB':>9} {'recv GiB':>9} {'pushed GiB':>10} {'moved GiB':>9} "
+        f"{'own GiB':>8} {'peak+ GiB':>9}"
+    )
     for path, ranks in rows.items():
         for r in ranks:
             moved = r["sent"] + r["received"] + r["pushed"]
-            print(f"{path:9} {r['rank']:>4} {r['wall_s']:>7.2f} {r['sent'] / gb:>9.3f} {r['received'] / gb:>9.3f} "
-                  f"{r['pushed'] / gb:>10.3f} {moved / gb:>9.3f} {r['own_bytes'] / gb:>8.3f} {r['peak_added'] / gb:>9.3f}")
+            print(
+                f"{path:9} {r['rank']:>4} {r['wall_s']:>7.2f} {r['sent'] / gb:>9.3f} {r['received'] / gb:>9.3f} "
+                f"{r['pushed'] / gb:>10.3f} {moved / gb:>9.3f} {r['own_bytes'] / gb:>8.3f} {r['peak_added'] / gb:>9.3f}"
+            )
     wall = {path: max(r["wall_s"] for r in ranks) for path, ranks in rows.items()}
     moved = {path: max(r["sent"] + r["received"] + r["pushed"] for r in ranks) for path, ranks in rows.items()}
     peak = {path: max(r["peak_added"] for r in ranks) for path, ranks in rows.items()}
     print(f"wall time per-rank / rank0:        {wall['per-rank'] / wall['rank0']:.2f}  (goal <= 0.6)")
-    print(f"max bytes moved by one rank ratio: {moved['per-rank'] / moved['rank0']:.2f}  "
-          f"(per-rank max {moved['per-rank'] / gb:.3f} GiB; goal <= model/PP + bucket = "
-          f"{(model_bytes / PP + bucket_bytes) / gb:.3f} GiB)")
-    print(f"max peak added on one rank ratio:  {peak['per-rank'] / max(peak['rank0'], 1):.2f}  "
-          f"(per-rank max {peak['per-rank'] / gb:.3f} GiB; goal <= 2 buckets = {2 * bucket_bytes / gb:.3f} GiB)")
+    print(
+        f"max bytes moved by one rank ratio: {moved['per-rank'] / moved['rank0']:.2f}  "
+        f"(per-rank max {moved['per-rank'] / gb:.3f} GiB; goal <= model/PP + bucket = "
+        f"{(model_bytes / PP + bucket_bytes) / gb:.3f} GiB)"
+    )
+    print(
+        f"max peak added on one rank ratio:  {peak['per-rank'] / max(peak['rank0'], 1):.2f}  "
+        f"(per-rank max {peak['per-rank'] / gb:.3f} GiB; goal <= 2 buckets = {2 * bucket_bytes / gb:.3f} GiB)"
+    )
 
 
 if __name__ == "__main__":

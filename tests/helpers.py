@@ -24,7 +24,9 @@ TINY_QWEN3 = dict(
 )
 
 
-def save_tiny_qwen3(directory: Path, *, tie: bool, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
+def save_tiny_qwen3(
+    directory: Path, *, tie: bool, seed: int = 0, max_shard_size: str | None = None, **overrides
+) -> Path:
     """A random-weight transformers Qwen3ForCausalLM saved as safetensors (no download)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

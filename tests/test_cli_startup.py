@@ -17,9 +17,11 @@ def _env() -> dict:
 
 def test_importing_the_trainer_and_megatron_prints_no_fallback_warnings():
     # the ranks' entry point imports the package first, as every stapo process does
-    code = (f"import stapo_megatron.trainer.main, stapo_megatron.trainer.trainer, {MEGATRON_MODULES}\n"
-            "from megatron.core.transformer.transformer_config import TransformerConfig\n"
-            "TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)")  # as each rank builds its model
+    code = (
+        f"import stapo_megatron.trainer.main, stapo_megatron.trainer.trainer, {MEGATRON_MODULES}\n"
+        "from megatron.core.transformer.transformer_config import TransformerConfig\n"
+        "TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)"
+    )  # as each rank builds its model
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
     assert done.returncode == 0, done.stderr
     assert "not installed" not in done.stderr and "Warning" not in done.stderr, done.stderr
@@ -41,8 +43,12 @@ def test_train_help_prints_only_the_help():
 
 def test_a_reader_that_leaves_gets_no_traceback():
     """``stapo config --docs | head``: the pipe closes before the command has written everything."""
-    process = subprocess.Popen([sys.executable, "-m", "stapo_megatron.cli", "config", "--docs"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, env=_env())
+    process = subprocess.Popen(
+        [sys.executable, "-m", "stapo_megatron.cli", "config", "--docs"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(),
+    )
     process.stdout.close()  # the reader is gone before the first write
     stderr = process.stderr.read().decode()
     assert process.wait(timeout=300) == 128 + signal.SIGPIPE

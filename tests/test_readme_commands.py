@@ -85,10 +85,15 @@ def test_readme_training_and_the_commands_on_its_run(tmp_path):
     checkpoint = run_dir / "checkpoints" / "iter_0000002"
     assert (tmp_path / checkpoint / "stapo_complete.json").is_file()
     # the summary: where things are, the final metrics, what to run next
-    summary = first[first.index("[stapo] run complete: step 2/2"):]
-    for expected in (f"checkpoint  {checkpoint}", f"metrics     {run_dir / 'metrics.jsonl'}", "last 2 steps: accuracy ",
-                     f"stapo plot {run_dir}", f"stapo inspect {run_dir}",
-                     f"stapo convert megatron-to-hf --ckpt {checkpoint}"):
+    summary = first[first.index("[stapo] run complete: step 2/2") :]
+    for expected in (
+        f"checkpoint  {checkpoint}",
+        f"metrics     {run_dir / 'metrics.jsonl'}",
+        "last 2 steps: accuracy ",
+        f"stapo plot {run_dir}",
+        f"stapo inspect {run_dir}",
+        f"stapo convert megatron-to-hf --ckpt {checkpoint}",
+    ):
         assert expected in summary, (expected, summary)
     for words in [w for w in COMMANDS if _reads_a_run(w)]:
         _ok(_stapo(words, tmp_path), words)
@@ -96,8 +101,9 @@ def test_readme_training_and_the_commands_on_its_run(tmp_path):
     # a second `stapo train` starts nothing: it says the run is complete and repeats the summary
     again = _ok(_stapo([*train[0], TRAIN_STEPS], tmp_path, timeout=300), train[0])
     assert again.startswith(f"[stapo] {run_dir}: already complete (step 2/2)")
-    assert again[again.index("[stapo] run complete"):].replace(" (drawn by stapo plot)", "") == summary.replace(
-        " (drawn by stapo plot)", "")
+    assert again[again.index("[stapo] run complete") :].replace(" (drawn by stapo plot)", "") == summary.replace(
+        " (drawn by stapo plot)", ""
+    )
     # `stapo convert` given the run directory names the checkpoint inside it
     convert = ["stapo", "convert", "megatron-to-hf", "--ckpt", str(run_dir), "--out", "hf"]
     done = _stapo(convert, tmp_path, timeout=300)

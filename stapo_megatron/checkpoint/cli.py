@@ -69,7 +69,9 @@ def add_megatron_to_hf_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to load at")
     parser.add_argument("--dtype", default=None, help="dtype of the written tensors (default: the checkpoint's)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 512MiB")
-    parser.add_argument("--tokenizer", default=None, help="copy tokenizer files from here (default: the ones the checkpoint carries)")
+    parser.add_argument(
+        "--tokenizer", default=None, help="copy tokenizer files from here (default: the ones the checkpoint carries)"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
 
 

@@ -17,14 +17,20 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.checkpoint.dist import ASSETS_DIR, load_common, load_dist, save_dist
-from stapo_megatron.checkpoint.export import DEFAULT_BUCKET_BYTES, iter_rank_buckets, rank_export_names, stage_layer_offset, unwrap
-from stapo_megatron.checkpoint.integrity import verify_checkpoint
+from stapo_megatron.checkpoint.export import (
+    DEFAULT_BUCKET_BYTES,
+    iter_rank_buckets,
+    rank_export_names,
+    stage_layer_offset,
+    unwrap,
+)
 from stapo_megatron.checkpoint.hf_io import (
     HFCheckpoint,
     SafetensorsStreamWriter,
     dtype_from_name,
     finalize_shards,
 )
+from stapo_megatron.checkpoint.integrity import verify_checkpoint
 from stapo_megatron.config import ConfigError
 from stapo_megatron.models.qwen3.config import Qwen3Config
 from stapo_megatron.models.qwen3.parallelize import build_stage, check_layout
@@ -34,8 +40,14 @@ MODEL_KEY = "model"
 META_KEY = "stapo"
 # Files carried from a Hugging Face checkpoint (or a tokenizer directory) into an export.
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-    "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "generation_config.json",
+    "chat_template.jinja",
 )
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
@@ -138,7 +150,9 @@ def megatron_to_hf_rank(
     writer = SafetensorsStreamWriter(
         staging, [(name, shapes[name], out_dtype) for name in names], max_shard_bytes, prefix=f"rank{ctx.rank:05d}-"
     )
-    for bucket in iter_rank_buckets(model, arch, ctx, bucket_bytes=min(max_shard_bytes, DEFAULT_BUCKET_BYTES), dtype=dtype):
+    for bucket in iter_rank_buckets(
+        model, arch, ctx, bucket_bytes=min(max_shard_bytes, DEFAULT_BUCKET_BYTES), dtype=dtype
+    ):
         for name, tensor in bucket.named_tensors():
             writer.write(name, tensor)
     writer.close()
@@ -158,7 +172,13 @@ def _check_output(out_dir: Path, overwrite: bool) -> None:
 
 
 def convert_hf_to_megatron(
-    hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1, dtype: str | None = None, overwrite: bool = False
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: str | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Hugging Face Qwen3 safetensors -> Megatron distributed checkpoint at TP x PP."""
     from stapo_megatron.runtime.launch import spawn_ranks

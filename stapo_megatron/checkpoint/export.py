@@ -17,13 +17,19 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from stapo_megatron.models.qwen3.config import Qwen3Config, first_layer_of_stage
-from stapo_megatron.models.qwen3.state_dict_adapter import ParamMapping, gather_dim, hf_tensor_shapes, param_mappings, to_hf
+from stapo_megatron.models.qwen3.state_dict_adapter import (
+    ParamMapping,
+    gather_dim,
+    hf_tensor_shapes,
+    param_mappings,
+    to_hf,
+)
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 
@@ -49,7 +55,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def stage_layer_offset(model: torch.nn.Module) -> int:
     """Index of this stage's first decoder layer in the whole model (the trainer's pipeline split)."""
     gpt = unwrap(model)
-    return first_layer_of_stage(gpt.config.num_layers, gpt.config.pipeline_model_parallel_size, gpt.pg_collection.pp.rank())
+    return first_layer_of_stage(
+        gpt.config.num_layers, gpt.config.pipeline_model_parallel_size, gpt.pg_collection.pp.rank()
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,8 +166,10 @@ class FlatBucket:
     buffers: dict[torch.dtype, torch.Tensor]
 
     @classmethod
-    def allocate(cls, layout: BucketLayout, device: torch.device) -> "FlatBucket":
-        return cls(layout, {dtype: torch.empty(count, dtype=dtype, device=device) for dtype, count in layout.sizes().items()})
+    def allocate(cls, layout: BucketLayout, device: torch.device) -> FlatBucket:
+        return cls(
+            layout, {dtype: torch.empty(count, dtype=dtype, device=device) for dtype, count in layout.sizes().items()}
+        )
 
     def view(self, slot: TensorSlot) -> torch.Tensor:
         return self.buffers[slot.dtype][slot.offset : slot.offset + slot.numel].view(slot.shape)
@@ -173,7 +183,9 @@ class FlatBucket:
         return self.layout.nbytes
 
 
-def plan_buckets(plan: list[ExportEntry], tp_rank: int, bucket_bytes: int) -> list[tuple[BucketLayout, list[ExportEntry]]]:
+def plan_buckets(
+    plan: list[ExportEntry], tp_rank: int, bucket_bytes: int
+) -> list[tuple[BucketLayout, list[ExportEntry]]]:
     """Cut this rank's owned entries, in order, into buckets of at most ``bucket_bytes``.
 
     A bucket's buffer is allocated whole before its first parameter is gathered, so the budget covers
@@ -222,8 +234,15 @@ def _partial_shards(tp_size: int, rows: int, vocab: int, owner: int) -> list[int
 
 
 @torch.no_grad()
-def _exchange_rows(bucket: FlatBucket | None, position: int, local: torch.Tensor, entry: ExportEntry, ctx,
-                   vocab: int, probe: AllocationProbe | None) -> None:
+def _exchange_rows(
+    bucket: FlatBucket | None,
+    position: int,
+    local: torch.Tensor,
+    entry: ExportEntry,
+    ctx,
+    vocab: int,
+    probe: AllocationProbe | None,
+) -> None:
     """A row-split parameter whose HF tensor is its shards in order, received straight into the owner's
     bucket slot (point to point over the TP group); padding rows never leave their rank."""
     rows = local.shape[0]
@@ -251,7 +270,9 @@ def _exchange_rows(bucket: FlatBucket | None, position: int, local: torch.Tensor
 
 
 @torch.no_grad()
-def _gather_to_owner(local: torch.Tensor, entry: ExportEntry, ctx, probe: AllocationProbe | None) -> torch.Tensor | None:
+def _gather_to_owner(
+    local: torch.Tensor, entry: ExportEntry, ctx, probe: AllocationProbe | None
+) -> torch.Tensor | None:
     """The TP-gathered full Megatron tensor on the entry's owner, None elsewhere (collective over the TP group)."""
     if ctx.tp_size == 1 or entry.mapping.layout == "replicated":
         return local if entry.owner == ctx.tp_rank else None
@@ -317,8 +338,15 @@ def iter_rank_buckets(
             layout, owned = next(layouts, (None, []))
 
 
-def _copy_into(bucket: FlatBucket, position: int, entry: ExportEntry, full: torch.Tensor, arch: Qwen3Config,
-               tp_size: int, probe: AllocationProbe | None) -> int:
+def _copy_into(
+    bucket: FlatBucket,
+    position: int,
+    entry: ExportEntry,
+    full: torch.Tensor,
+    arch: Qwen3Config,
+    tp_size: int,
+    probe: AllocationProbe | None,
+) -> int:
     """Convert one gathered parameter straight into its bucket slots; returns the next slot."""
     for name, tensor in to_hf(entry.mapping, full, arch, tp_size):
         slot = bucket.layout.slots[position]
@@ -336,7 +364,12 @@ def _copy_into(bucket: FlatBucket, position: int, entry: ExportEntry, full: torc
 
 def rank_export_names(model: torch.nn.Module, arch: Qwen3Config, tp_size: int, tp_rank: int) -> list[str]:
     """The HF names :func:`iter_rank_buckets` yields on this rank, in order (no communication)."""
-    return [name for entry in stage_export_plan(model, arch, tp_size) if entry.owner == tp_rank for name, _, _ in entry.tensors]
+    return [
+        name
+        for entry in stage_export_plan(model, arch, tp_size)
+        if entry.owner == tp_rank
+        for name, _, _ in entry.tensors
+    ]
 
 
 def pipelined(buckets: Iterable[FlatBucket], send: Callable[[FlatBucket], None]) -> int:

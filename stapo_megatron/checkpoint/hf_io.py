@@ -11,10 +11,11 @@ import json
 import math
 import os
 import struct
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
+
 from stapo_megatron.config import ConfigError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -57,7 +58,9 @@ class HFCheckpoint:
                 with open(index, encoding="utf-8") as f:
                     content = json.load(f)
             except (ValueError, RecursionError) as err:
-                raise ConfigError(f"{index}: not valid JSON ({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+                raise ConfigError(
+                    f"{index}: not valid JSON ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+                ) from None
             weight_map = content.get("weight_map") if isinstance(content, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ConfigError(f"{index}: has no weight_map")
@@ -69,7 +72,9 @@ class HFCheckpoint:
         elif (self.path / SINGLE_FILE).is_file():
             weight_map, files = None, [SINGLE_FILE]
         else:
-            raise ConfigError(f"{self.path}: no {SINGLE_FILE} or {INDEX_FILE} (not a Hugging Face safetensors checkpoint)")
+            raise ConfigError(
+                f"{self.path}: no {SINGLE_FILE} or {INDEX_FILE} (not a Hugging Face safetensors checkpoint)"
+            )
         self._entries: dict[str, _Entry] = {}
         for file in files:
             if not (self.path / file).is_file():
@@ -210,7 +215,9 @@ def _read_header(path: Path) -> dict[str, _Entry]:
         if not isinstance(code, str) or code not in _CODE_DTYPES:
             raise ConfigError(f"{where} has unsupported dtype {code!r}")
         if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
-            raise ConfigError(f"{where}: shape must be a list of at most {MAX_DIMS} non-negative integers, got {shape!r}")
+            raise ConfigError(
+                f"{where}: shape must be a list of at most {MAX_DIMS} non-negative integers, got {shape!r}"
+            )
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
             raise ConfigError(f"{where}: data_offsets must be two integers, got {offsets!r}")
         begin, end = offsets
@@ -265,7 +272,9 @@ class SafetensorsStreamWriter:
         self._left_in_group = 0
         self._file = None
         for k, group in enumerate(groups):
-            self.files.append((f"{prefix}{k}.safetensors", [n for n, _, _ in group], sum(_nbytes(s, d) for _, s, d in group)))
+            self.files.append(
+                (f"{prefix}{k}.safetensors", [n for n, _, _ in group], sum(_nbytes(s, d) for _, s, d in group))
+            )
 
     def _open_next(self):
         self._group_index += 1
@@ -273,7 +282,11 @@ class SafetensorsStreamWriter:
         header, offset = {}, 0
         for name, shape, dtype in group:
             nbytes = _nbytes(shape, dtype)
-            header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            header[name] = {
+                "dtype": _DTYPE_CODES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
             offset += nbytes
         header["__metadata__"] = {"format": "pt"}
         encoded = json.dumps(header, separators=(",", ":")).encode()

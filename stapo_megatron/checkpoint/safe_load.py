@@ -61,8 +61,14 @@ CONFIG_FILE = "metadata.json"
 METADATA_GLOBALS = {
     ("torch.distributed.checkpoint.metadata", name)
     for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
     )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -190,8 +196,14 @@ def check_backend(directory: str | os.PathLike) -> None:
         raise ConfigError(f"{path}: missing (not a Megatron distributed checkpoint)") from None
     except (ValueError, RecursionError) as err:
         raise ConfigError(f"{path}: not valid JSON ({_first_line(err)})") from None
-    if not isinstance(config, dict) or config.get("sharded_backend") != "torch_dist" or config.get("common_backend") != "torch":
-        raise ConfigError(f"{path}: not a torch_dist checkpoint (this project writes sharded_backend torch_dist, common_backend torch)")
+    if (
+        not isinstance(config, dict)
+        or config.get("sharded_backend") != "torch_dist"
+        or config.get("common_backend") != "torch"
+    ):
+        raise ConfigError(
+            f"{path}: not a torch_dist checkpoint (this project writes sharded_backend torch_dist, common_backend torch)"
+        )
 
 
 class SafeFileSystemReader(FileSystemReader):

@@ -33,9 +33,14 @@ def register(subparsers) -> None:
         help="print a resolved training config, or (--docs [COMMAND]) every field of a command with its documentation",
     )
     parser.add_argument("--config", default=None, help="YAML config (default: the packaged tiny CPU run)")
-    parser.add_argument("--docs", nargs="?", const=DEFAULT_COMMAND, default=None, metavar="COMMAND",
-                        help=f"list every field of COMMAND's config (default {DEFAULT_COMMAND}): type, default, "
-                             "documentation")
+    parser.add_argument(
+        "--docs",
+        nargs="?",
+        const=DEFAULT_COMMAND,
+        default=None,
+        metavar="COMMAND",
+        help=f"list every field of COMMAND's config (default {DEFAULT_COMMAND}): type, default, documentation",
+    )
     parser.add_argument("--section", default=None, help="with --docs: only this section, e.g. algo")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo=grpo")
     parser.set_defaults(func=run_config)

@@ -23,7 +23,8 @@ import copy
 import dataclasses
 import os
 import typing
-from typing import Any, Callable, Iterable, Literal, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal
 
 from stapo_megatron.config.core import (
     ConfigError,
@@ -90,8 +91,10 @@ class CommandConfig:
     def rows(self) -> list[tuple[str, str, str, str]]:
         """(dotted name, type, default, doc) of every field, with this command's defaults."""
         rows = describe(self.cls, f"{self.section}." if self.section else "")
-        return [(name, tp, repr(self.defaults[name]) if name in self.defaults else default, doc)
-                for name, tp, default, doc in rows]
+        return [
+            (name, tp, repr(self.defaults[name]) if name in self.defaults else default, doc)
+            for name, tp, default, doc in rows
+        ]
 
 
 _COMMANDS: dict[str, Callable[[], CommandConfig]] = {}
@@ -122,8 +125,9 @@ def format_fields(command: CommandConfig) -> str:
     return "\n".join(lines)
 
 
-def add_command_arguments(parser: argparse.ArgumentParser, command: CommandConfig, *, config_help: str,
-                          overrides_help: str) -> None:
+def add_command_arguments(
+    parser: argparse.ArgumentParser, command: CommandConfig, *, config_help: str, overrides_help: str
+) -> None:
     """``--config``, the dotted overrides and the flag aliases; the field list goes into ``--help``."""
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = f"fields (dotted overrides: FIELD=VALUE; [short flags]):\n{format_fields(command)}"
@@ -225,8 +229,14 @@ def load_training_config(cls: type, path: str | os.PathLike, overrides: Iterable
     return build(cls, apply_overrides(read_training_file(path)[1], overrides))
 
 
-def load_command(command: CommandConfig, args: argparse.Namespace, *, extra_overrides: Iterable[str] = (),
-                 base: dict | None = None, complete: Callable[[dict], None] | None = None) -> Loaded:
+def load_command(
+    command: CommandConfig,
+    args: argparse.Namespace,
+    *,
+    extra_overrides: Iterable[str] = (),
+    base: dict | None = None,
+    complete: Callable[[dict], None] | None = None,
+) -> Loaded:
     """Defaults, ``base`` (a mapping under the file), ``args.config``, the dotted overrides and the
     flags, validated into ``command.cls``. ``extra_overrides``: dotted overrides a flag expands to;
     ``complete``: fills, in the raw mapping, defaults that depend on other fields."""
@@ -263,7 +273,7 @@ def load_command(command: CommandConfig, args: argparse.Namespace, *, extra_over
         given = getattr(args, flag.dest)
         for name, value in flag.values(given).items():
             if name in dotted:
-                tp = _field_type(command.cls, name.split(".")[1 if command.section else 0:])
+                tp = _field_type(command.cls, name.split(".")[1 if command.section else 0 :])
                 if not _same_value(tp, dotted[name][0], value):
                     raise ConfigError(f"{flag.spelled(given)} and {dotted[name][1]}: two values for {name}; give one")
             set_field(data, name.split("."), value, name)

@@ -15,9 +15,10 @@ import math
 import os
 import types
 import typing
+from collections.abc import Iterable, Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Literal, Mapping, Union
+from typing import Any, Literal, Union
 
 import yaml
 
@@ -461,8 +462,10 @@ def _refuse_redacted(value: Any, where: str) -> None:
     for name, item in value.items() if isinstance(value, dict) else [(None, value)]:
         if item == REDACTED:
             shown = where if name is None else f"{where}.{name}"
-            raise ConfigError(f"{shown}: is '{REDACTED}' (copied from a written config, where secrets are hidden); "
-                              "give the real value or leave it unset")
+            raise ConfigError(
+                f"{shown}: is '{REDACTED}' (copied from a written config, where secrets are hidden); "
+                "give the real value or leave it unset"
+            )
 
 
 def to_dict(cfg: Any, *, redact: bool = False) -> Any:
@@ -470,7 +473,8 @@ def to_dict(cfg: Any, *, redact: bool = False) -> Any:
     (for everything written for people or tools: files, logs, wandb/TensorBoard)."""
     if dataclasses.is_dataclass(cfg):
         return {
-            f.name: _redacted(getattr(cfg, f.name)) if redact and f.metadata.get("secret")
+            f.name: _redacted(getattr(cfg, f.name))
+            if redact and f.metadata.get("secret")
             else to_dict(getattr(cfg, f.name), redact=redact)
             for f in dataclasses.fields(cfg)
         }

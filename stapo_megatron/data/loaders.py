@@ -11,8 +11,9 @@ import codecs
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from stapo_megatron.data.records import DataError, LoadReport, PromptRecord
 from stapo_megatron.data.rows import BadRow, RowSchema, check_row_text, detect_schema, row_to_record

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from stapo_megatron.data.config import PROMPT_TEMPLATES, DataConfig
 from stapo_megatron.data.loaders import load_records
@@ -42,7 +43,7 @@ class PromptEncoder:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
 
     @classmethod
-    def from_config(cls, cfg: DataConfig, tokenizer: Any) -> "PromptEncoder":
+    def from_config(cls, cfg: DataConfig, tokenizer: Any) -> PromptEncoder:
         return cls(tokenizer, cfg.template_text, cfg.chat_template, cfg.chat_template_kwargs)
 
     def text(self, record: PromptRecord) -> str:

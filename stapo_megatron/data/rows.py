@@ -15,7 +15,8 @@ import ast
 import dataclasses
 import math
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from stapo_megatron.data.records import PromptRecord
 from stapo_megatron.rewards.extract import extract_boxed
@@ -94,7 +95,9 @@ def check_row_text(row: Any) -> None:
         if isinstance(value, str):
             err = _invalid_unicode(value)
             if err:
-                detail = f"field '{where or '(row)'}' is not valid Unicode text ({err.reason} at character {err.start + 1})"
+                detail = (
+                    f"field '{where or '(row)'}' is not valid Unicode text ({err.reason} at character {err.start + 1})"
+                )
                 raise BadRow("invalid_text", detail)
             continue
         if not isinstance(value, (Mapping, list, tuple)):

@@ -89,7 +89,10 @@ FLAGS = (
 
 def eval_command() -> CommandConfig:
     return CommandConfig(
-        "eval", EvalCommandConfig, FLAGS, defaults={"eval.max_new_tokens": DEFAULT_MAX_NEW_TOKENS},
+        "eval",
+        EvalCommandConfig,
+        FLAGS,
+        defaults={"eval.max_new_tokens": DEFAULT_MAX_NEW_TOKENS},
         note="--k N,BENCHMARK=N sets eval.k and eval.k_by_benchmark; --rollout KEY=VALUE is rollout.KEY=VALUE.",
     )
 
@@ -116,8 +119,13 @@ def _serve_evaluated_model(data: dict) -> None:
 
 
 def load_eval_config(args):
-    return load_command(eval_command(), args, extra_overrides=[f"rollout.{item}" for item in args.rollout],
-                        base=_rollout_base(args.rollout_config), complete=_serve_evaluated_model)
+    return load_command(
+        eval_command(),
+        args,
+        extra_overrides=[f"rollout.{item}" for item in args.rollout],
+        base=_rollout_base(args.rollout_config),
+        complete=_serve_evaluated_model,
+    )
 
 
 def run_eval(args) -> None:
@@ -139,11 +147,23 @@ def register(subparsers) -> None:
             "continues an interrupted evaluation. With --compare: one table over finished evaluations."
         ),
     )
-    add_command_arguments(parser, eval_command(), config_help="YAML of the eval command's fields (listed below)",
-                          overrides_help="dotted overrides, e.g. eval.k=8 rollout.sglang.tp_size=2")
-    parser.add_argument("--rollout-config", default=None,
-                        help="YAML of the rollout section, or a training config holding one; the rollout fields "
-                             "of --config and the command line override it")
-    parser.add_argument("--rollout", action="append", default=[], metavar="KEY=VALUE",
-                        help="rollout.KEY=VALUE, e.g. --rollout sglang.tp_size=2 (repeatable)")
+    add_command_arguments(
+        parser,
+        eval_command(),
+        config_help="YAML of the eval command's fields (listed below)",
+        overrides_help="dotted overrides, e.g. eval.k=8 rollout.sglang.tp_size=2",
+    )
+    parser.add_argument(
+        "--rollout-config",
+        default=None,
+        help="YAML of the rollout section, or a training config holding one; the rollout fields "
+        "of --config and the command line override it",
+    )
+    parser.add_argument(
+        "--rollout",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="rollout.KEY=VALUE, e.g. --rollout sglang.tp_size=2 (repeatable)",
+    )
     parser.set_defaults(func=run_eval)

@@ -4,9 +4,8 @@ and the whole ``stapo eval`` command's config."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
-
 from pathlib import Path
+from typing import Literal
 
 from stapo_megatron.config import MAX_BATCH, MAX_SEED, MAX_STEPS, MAX_TOKENS, ConfigError, option
 from stapo_megatron.config.core import check_fields
@@ -81,14 +80,18 @@ class EvalConfig:
 class EvalCommandConfig:
     """``stapo eval``: one model on the benchmarks, or one table over finished evaluations."""
 
-    model: str = option("", "Model to evaluate: a Hugging Face Qwen3 directory, or a stapo Megatron checkpoint "
-                        "(exported to Hugging Face format first).")
+    model: str = option(
+        "",
+        "Model to evaluate: a Hugging Face Qwen3 directory, or a stapo Megatron checkpoint "
+        "(exported to Hugging Face format first).",
+    )
     compare: list[str] = option([], "Instead of evaluating: finished evaluation directories to put in one table.")
     name: str = option("", "Model name in the table ('': the model's directory name).")
     out: str = option("", "Output directory ('': eval_results/<name>-<decoding>); with compare: a file for the table.")
     tokenizer: str = option("", "Tokenizer directory ('': the model's, or the Megatron checkpoint's hf_assets/).")
     export_dir: str = option(
-        "", "Where a Megatron checkpoint is exported, kept and reused ('': a temporary directory).")
+        "", "Where a Megatron checkpoint is exported, kept and reused ('': a temporary directory)."
+    )
     device: str = option("", "Device of the local engine ('': cuda when available, else cpu).")
     template: str = option("stapo", "Prompt template: stapo, raw, or a text containing {problem}.")
     chat_template: bool = option(False, "Wrap the prompt in the tokenizer's chat template.")
@@ -103,8 +106,11 @@ class EvalCommandConfig:
 
     def __post_init__(self):
         if bool(self.model) == bool(self.compare):
-            raise ConfigError("model: give a model to evaluate or finished evaluations to compare, not both"
-                              if self.model else "model: required (or compare: finished evaluations to tabulate)")
+            raise ConfigError(
+                "model: give a model to evaluate or finished evaluations to compare, not both"
+                if self.model
+                else "model: required (or compare: finished evaluations to tabulate)"
+            )
         if self.compare:
             return
         from stapo_megatron.data.prompts import render_prompt

@@ -8,8 +8,9 @@ carry the same names as ``stapo eval``'s results.json (``eval/aime24/avg@32``, .
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from stapo_megatron.data.config import DataConfig
 from stapo_megatron.data.prompts import PromptEncoder, default_stop_token_ids
@@ -73,6 +74,11 @@ class Evaluator:
         # A directory left by an earlier, interrupted attempt at this step came from weights that a
         # resumed run cannot promise to reproduce: sample it afresh.
         with EvalRun(directory, self.tasks, self.sampling, settings, fresh=True) as run:
-            run.generate(self.engine, self.tokenizer, self.reward_cfg, log=lambda text: print(f"[stapo] eval step {step}: {text}", flush=True))
+            run.generate(
+                self.engine,
+                self.tokenizer,
+                self.reward_cfg,
+                log=lambda text: print(f"[stapo] eval step {step}: {text}", flush=True),
+            )
             results = run.results(model=f"{Path(run_dir).name} step {step}", decoding=self.decoding)
         return dict(results["metrics"])

@@ -8,7 +8,7 @@ correct: 1 - C(n-c, j) / C(n, j), averaged over problems.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

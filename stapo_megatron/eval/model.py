@@ -162,7 +162,9 @@ def load_hf_weights(engine: RolloutEngine, hf_dir: Path, arch: Qwen3Config) -> N
     engine.load_weights((name, checkpoint.read(name)) for name in hf_tensor_shapes(arch))
 
 
-def start_engine(rollout_cfg: RolloutConfig, source: ModelSource, hf_dir: Path, device: str, log_dir: Path) -> RolloutEngine:
+def start_engine(
+    rollout_cfg: RolloutConfig, source: ModelSource, hf_dir: Path, device: str, log_dir: Path
+) -> RolloutEngine:
     """The configured engine, holding the model's weights."""
     from stapo_megatron.rollout.factory import build_engine
 

@@ -8,8 +8,8 @@ the first problems of the benchmark (--limit).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from stapo_megatron.config import ConfigError
 from stapo_megatron.data.benchmarks import BENCHMARKS

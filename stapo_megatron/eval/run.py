@@ -40,8 +40,10 @@ def check_vocabulary_fits(tokenizer: Any, arch: Qwen3Config, tokenizer_dir: Path
     """A token id at or past the embedding's rows would index outside it once the model runs."""
     tokens = len(tokenizer)
     if tokens > arch.vocab_size:
-        raise ConfigError(f"{field}: the tokenizer in {tokenizer_dir} has {tokens:,} tokens, more than the "
-                          f"{arch.vocab_size:,} embedding rows of the model {model}; give the model's own tokenizer")
+        raise ConfigError(
+            f"{field}: the tokenizer in {tokenizer_dir} has {tokens:,} tokens, more than the "
+            f"{arch.vocab_size:,} embedding rows of the model {model}; give the model's own tokenizer"
+        )
 
 
 def with_engine_model(cfg: EvalCommandConfig, hf_dir: Path):
@@ -83,8 +85,11 @@ def evaluate(cfg: EvalCommandConfig, names: FieldNames) -> None:
     try:
         rollout_cfg = with_engine_model(cfg, export.hf_dir)
         name = cfg.name or default_model_name(source.path)
-        out = Path(cfg.out) if cfg.out else (
-            Path(DEFAULT_OUT_ROOT) / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}-{cfg.eval.decoding}")
+        out = (
+            Path(cfg.out)
+            if cfg.out
+            else (Path(DEFAULT_OUT_ROOT) / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}-{cfg.eval.decoding}")
+        )
         temperature, top_p = cfg.eval.sampling
         sampling = Sampling(
             temperature=temperature,
@@ -94,8 +99,11 @@ def evaluate(cfg: EvalCommandConfig, names: FieldNames) -> None:
             seed=cfg.eval.seed,
             problems_per_call=cfg.eval.problems_per_call or default_problems_per_call(rollout_cfg.engine),
         )
-        settings = {"model": str(source.path.resolve()), "engine": rollout_cfg.engine,
-                    **prompt_settings(encoder, cfg.reward)}
+        settings = {
+            "model": str(source.path.resolve()),
+            "engine": rollout_cfg.engine,
+            **prompt_settings(encoder, cfg.reward),
+        }
         try:
             run = EvalRun(out, tasks, sampling, settings, fresh=cfg.overwrite)
         except ConfigError as err:

@@ -14,8 +14,9 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from stapo_megatron.config import ConfigError
 from stapo_megatron.data.benchmarks import load_benchmark
@@ -169,7 +170,9 @@ class EvalRun:
             elif settings_path.is_file():
                 self._check_same_settings(read_json(settings_path, "settings"))
             elif self.store.path.is_file():
-                raise ConfigError(f"{self.directory}: has {RESPONSES_FILE} but no {SETTINGS_FILE}; cannot tell how they were sampled")
+                raise ConfigError(
+                    f"{self.directory}: has {RESPONSES_FILE} but no {SETTINGS_FILE}; cannot tell how they were sampled"
+                )
             write_json_atomic(settings_path, self.settings)
             self.records = self.store.load(drop=_TEXT_FIELDS)
         except BaseException:
@@ -189,7 +192,7 @@ class EvalRun:
     def close(self) -> None:
         self._lock.release()
 
-    def __enter__(self) -> "EvalRun":
+    def __enter__(self) -> EvalRun:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -202,12 +205,7 @@ class EvalRun:
         return [range(start, min(start + size, len(task.records))) for start in range(0, len(task.records), size)]
 
     def _missing(self, task: BenchmarkTask, group: range) -> list[tuple[int, int]]:
-        return [
-            (i, s)
-            for i in group
-            for s in range(task.k)
-            if (task.name, task.records[i].uid, s) not in self.records
-        ]
+        return [(i, s) for i in group for s in range(task.k) if (task.name, task.records[i].uid, s) not in self.records]
 
     def pending(self) -> int:
         """Responses still to be sampled."""
@@ -231,8 +229,10 @@ class EvalRun:
                     continue
                 if log:
                     done = len(task.records) * task.k - todo
-                    log(f"{task.name}: {len(task.records)} problems x {task.k} samples"
-                        + (f" ({done} already written)" if done else ""))
+                    log(
+                        f"{task.name}: {len(task.records)} problems x {task.k} samples"
+                        + (f" ({done} already written)" if done else "")
+                    )
                 started = last_report = time.monotonic()
                 written = 0
                 for group in self._groups(task):
@@ -241,8 +241,12 @@ class EvalRun:
                         continue
                     seed = group_seed(s.seed, task.name, task.records[group.start].uid)
                     params = SamplingParams(
-                        n=task.k, temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
-                        stop_token_ids=s.stop_token_ids, seed=seed,
+                        n=task.k,
+                        temperature=s.temperature,
+                        top_p=s.top_p,
+                        max_new_tokens=s.max_new_tokens,
+                        stop_token_ids=s.stop_token_ids,
+                        seed=seed,
                     )
                     completions = engine.generate([list(task.prompt_ids[i]) for i in group], params)
                     if len(completions) != len(group) or any(len(c) != task.k for c in completions):
@@ -255,12 +259,22 @@ class EvalRun:
                     new = []
                     for (i, sample, completion), text, score in zip(chosen, texts, scores):
                         record = task.records[i]
-                        new.append({
-                            "benchmark": task.name, "uid": record.uid, "row": record.row, "sample": sample, "seed": seed,
-                            "answer": record.answer, "response": text, "extracted": score.extracted,
-                            "reward": score.reward, "reason": score.reason,
-                            "finish_reason": completion.finish_reason, "tokens": len(completion.token_ids),
-                        })
+                        new.append(
+                            {
+                                "benchmark": task.name,
+                                "uid": record.uid,
+                                "row": record.row,
+                                "sample": sample,
+                                "seed": seed,
+                                "answer": record.answer,
+                                "response": text,
+                                "extracted": score.extracted,
+                                "reward": score.reward,
+                                "reason": score.reason,
+                                "finish_reason": completion.finish_reason,
+                                "tokens": len(completion.token_ids),
+                            }
+                        )
                     self.store.append(new)
                     for record in new:
                         self.records[(task.name, record["uid"], record["sample"])] = {

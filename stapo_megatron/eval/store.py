@@ -10,8 +10,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from stapo_megatron.config import ConfigError
 
@@ -104,7 +105,9 @@ class ResponseStore:
                 try:
                     record = json.loads(line)
                 except (json.JSONDecodeError, UnicodeDecodeError):
-                    raise ConfigError(f"{where}: not a JSON line; the file is damaged (move it away to start over)") from None
+                    raise ConfigError(
+                        f"{where}: not a JSON line; the file is damaged (move it away to start over)"
+                    ) from None
                 key = record_key(_check_record(record, where))
                 if key not in records:
                     records[key] = {name: value for name, value in record.items() if name not in drop}

@@ -29,7 +29,11 @@ def register(subparsers) -> None:
     entropy.add_argument("--out", default="runs/experiment_entropy", help="experiment directory")
     entropy.add_argument("--config", default=None, help="YAML config of every run (default: the packaged tiny CPU one)")
     entropy.add_argument("--parallel", type=positive_int, default=2, help="runs at the same time")
-    entropy.add_argument("--tensor-parallel", type=positive_int, default=1,
-                         help="parallel.tensor_parallel of every run (processes per run: keep parallel x this <= cores)")
+    entropy.add_argument(
+        "--tensor-parallel",
+        type=positive_int,
+        default=1,
+        help="parallel.tensor_parallel of every run (processes per run: keep parallel x this <= cores)",
+    )
     entropy.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. batch.group_size=8")
     entropy.set_defaults(func=run_entropy)

@@ -44,12 +44,19 @@ OVERLONG_BUFFER_FRACTION = 4096 / 20480
 # it; stapo_megatron/data/synthetic.py): up to 2 free words w0..w240 before the answer digit, a
 # 256-token vocabulary, so that S2T has rare tokens to silence (the default 16-token task has none).
 FREE_WORDS_TASK = (
-    "data.synthetic_distractors=241", "model.vocab_size=256", "reward.kind=free_words", "batch.max_new_tokens=2",
+    "data.synthetic_distractors=241",
+    "model.vocab_size=256",
+    "reward.kind=free_words",
+    "batch.max_new_tokens=2",
 )
 # Overrides the experiment sets itself for every run; the options that set them instead.
 _OWN_FIELDS = {
-    "algo": "--algos", "run.steps": "--steps", "run.seed": "--seed", "run.output_dir": "--out",
-    "run.name": "(the algorithm's name)", "parallel.tensor_parallel": "--tensor-parallel",
+    "algo": "--algos",
+    "run.steps": "--steps",
+    "run.seed": "--seed",
+    "run.output_dir": "--out",
+    "run.name": "(the algorithm's name)",
+    "parallel.tensor_parallel": "--tensor-parallel",
 }
 
 
@@ -74,12 +81,19 @@ class EntropyExperiment:
         for item in self.overrides:
             key = item.split("=", 1)[0]
             if key in _OWN_FIELDS or key.startswith("algo."):
-                raise ConfigError(f"{item}: the experiment sets {key} for every run; use {_OWN_FIELDS.get(key, '--algos')}")
+                raise ConfigError(
+                    f"{item}: the experiment sets {key} for every run; use {_OWN_FIELDS.get(key, '--algos')}"
+                )
 
     def settings(self) -> dict:
         """What makes the runs comparable; an experiment directory holds runs of one setting."""
-        return {"steps": self.steps, "seed": self.seed, "config": self.config, "tensor_parallel": self.tensor_parallel,
-                "overrides": list(self.overrides)}
+        return {
+            "steps": self.steps,
+            "seed": self.seed,
+            "config": self.config,
+            "tensor_parallel": self.tensor_parallel,
+            "overrides": list(self.overrides),
+        }
 
     @property
     def base_config(self) -> Path:
@@ -104,9 +118,15 @@ class EntropyExperiment:
         plans = {}
         for algo in self.algos:
             overrides = [
-                *self.task_overrides(), *self.overrides, f"algo={algo}", f"run.steps={self.steps}",
-                f"run.seed={self.seed}", f"run.name={algo}", f"run.output_dir={self.run_directory(algo)}",
-                f"parallel.tensor_parallel={self.tensor_parallel}", "logging.progress_bar=false",
+                *self.task_overrides(),
+                *self.overrides,
+                f"algo={algo}",
+                f"run.steps={self.steps}",
+                f"run.seed={self.seed}",
+                f"run.name={algo}",
+                f"run.output_dir={self.run_directory(algo)}",
+                f"parallel.tensor_parallel={self.tensor_parallel}",
+                "logging.progress_bar=false",
             ]
             unchecked = load_config(TrainConfig, self.source_config(), overrides)
             if unchecked.algo.overlong_shaping:
@@ -122,9 +142,23 @@ class EntropyExperiment:
 
     def command(self) -> str:
         """The command line that reproduces this experiment."""
-        words = ["stapo", "experiment", "entropy", "--steps", str(self.steps), "--seed", str(self.seed),
-                 "--algos", ",".join(self.algos), "--parallel", str(self.parallel),
-                 "--tensor-parallel", str(self.tensor_parallel), "--out", str(self.out)]
+        words = [
+            "stapo",
+            "experiment",
+            "entropy",
+            "--steps",
+            str(self.steps),
+            "--seed",
+            str(self.seed),
+            "--algos",
+            ",".join(self.algos),
+            "--parallel",
+            str(self.parallel),
+            "--tensor-parallel",
+            str(self.tensor_parallel),
+            "--out",
+            str(self.out),
+        ]
         if self.config:
             words += ["--config", self.config]
         return shlex.join([*words, *self.overrides])
@@ -159,8 +193,9 @@ def _start(experiment: EntropyExperiment, algo: str, overrides: list[str]) -> tu
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     log = open(experiment.out / LOG_DIR / f"{algo}.log", "a", encoding="utf-8")
     with log:
-        process = subprocess.Popen([*command, *overrides], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            [*command, *overrides], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     print(f"[experiment] {algo}: started (log: {log.name})", flush=True)
     return process, time.monotonic()
 
@@ -197,7 +232,9 @@ def run_experiment(experiment: EntropyExperiment) -> list[Path]:
     pending = [algo for algo in experiment.algos if not experiment.finished(algo)]
     for algo in experiment.algos:
         if algo not in pending:
-            print(f"[experiment] {algo}: finished earlier ({experiment.run_directory(algo)}), not run again", flush=True)
+            print(
+                f"[experiment] {algo}: finished earlier ({experiment.run_directory(algo)}), not run again", flush=True
+            )
     running: dict[str, tuple[subprocess.Popen, float]] = {}
     failed = []
 
@@ -220,13 +257,17 @@ def run_experiment(experiment: EntropyExperiment) -> list[Path]:
                 state["wall_seconds"][algo] = state["wall_seconds"].get(algo, 0.0) + seconds
                 _write_settings(experiment, state)
                 if process.returncode != 0 or not experiment.finished(algo):
-                    failed.append(f"{algo} (exit {process.returncode}, see {experiment.out / LOG_DIR / (algo + '.log')})")
+                    failed.append(
+                        f"{algo} (exit {process.returncode}, see {experiment.out / LOG_DIR / (algo + '.log')})"
+                    )
                 print(f"[experiment] {algo}: exit {process.returncode} after {seconds:.0f} s", flush=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
         _stop([process for process, _ in running.values()])
     if failed:
-        raise SystemExit(f"stapo: experiment: runs did not finish: {'; '.join(failed)}; run the same command again to continue them")
+        raise SystemExit(
+            f"stapo: experiment: runs did not finish: {'; '.join(failed)}; run the same command again to continue them"
+        )
     runs = [(algo, read_metrics(experiment.run_directory(algo))) for algo in experiment.algos]
     task = " ".join(experiment.task_overrides())
     heading = [
@@ -240,8 +281,15 @@ def run_experiment(experiment: EntropyExperiment) -> list[Path]:
         f"overlong shaping use a buffer of {OVERLONG_BUFFER_FRACTION:.0%} of batch.max_new_tokens (DAPO: 4096 of 20480).",
     ]
     inspected = write_inspections(experiment)
-    notes = ["", "Silenced tokens (`stapo inspect`, next to the STAPO paper's token classes): "
-             + ", ".join(f"[{path.name}]({path.name})" for path in inspected)] if inspected else []
+    notes = (
+        [
+            "",
+            "Silenced tokens (`stapo inspect`, next to the STAPO paper's token classes): "
+            + ", ".join(f"[{path.name}]({path.name})" for path in inspected),
+        ]
+        if inspected
+        else []
+    )
     return [*write_comparison(experiment.out, runs, state["wall_seconds"], heading, notes), *inspected]
 
 
@@ -263,8 +311,14 @@ def run_entropy(args) -> None:
     os.umask(0o077)
     algos = tuple(a.strip() for a in args.algos.split(",") if a.strip())
     experiment = EntropyExperiment(
-        out=Path(args.out), algos=algos, steps=args.steps, seed=args.seed, config=args.config,
-        tensor_parallel=args.tensor_parallel, parallel=args.parallel, overrides=tuple(args.overrides),
+        out=Path(args.out),
+        algos=algos,
+        steps=args.steps,
+        seed=args.seed,
+        config=args.config,
+        tensor_parallel=args.tensor_parallel,
+        parallel=args.parallel,
+        overrides=tuple(args.overrides),
     )
     files = run_experiment(experiment)
     print(f"[experiment] wrote {files[0]} and {', '.join(p.name for p in files[1:])}", flush=True)

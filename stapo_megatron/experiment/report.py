@@ -49,7 +49,9 @@ def summarize_run(rows: list[dict]) -> dict[str, float | int | str]:
     masked = _series(rows, "s2t/masked_fraction")
     length = _series(rows, "response/length_mean")
     if not (accuracy and entropy and masked and length):
-        raise ConfigError("metrics.jsonl: rows lack reward/accuracy, policy/entropy, s2t/masked_fraction or response/length_mean")
+        raise ConfigError(
+            "metrics.jsonl: rows lack reward/accuracy, policy/entropy, s2t/masked_fraction or response/length_mean"
+        )
     entropy_start, entropy_end = _mean(entropy[:window]), _mean(entropy[-window:])
     change = entropy_end / entropy_start - 1 if entropy_start > 0 else 0.0
     trend = "flat" if abs(change) < FLAT_ENTROPY_CHANGE else ("rising" if change > 0 else "falling")
@@ -104,10 +106,17 @@ def write_comparison(
     window = edge_window(steps)
     figures = []
     for key, file_name, title in FIGURES:
-        figures.append(plot_panels(
-            runs, ((key, title),), directory / file_name, window,
-            f"moving average over {window} steps", columns=1, log_panels=LOG_METRICS,
-        ))
+        figures.append(
+            plot_panels(
+                runs,
+                ((key, title),),
+                directory / file_name,
+                window,
+                f"moving average over {window} steps",
+                columns=1,
+                log_panels=LOG_METRICS,
+            )
+        )
     lines = [
         *heading,
         "",

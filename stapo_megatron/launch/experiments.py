@@ -59,13 +59,15 @@ def experiment_status(name: str) -> dict:
         table = exp.status(return_dict=True) or {}
     jobs = []
     for job_name, info in table.items():
-        jobs.append({
-            "name": job_name,
-            "state": str(info.get("status")).rsplit(".", 1)[-1],
-            "job_id": info.get("job_id") or _job_id(info.get("handle")),
-            "local_dir": info.get("local_dir"),
-            "remote_dir": info.get("remote_dir"),
-        })
+        jobs.append(
+            {
+                "name": job_name,
+                "state": str(info.get("status")).rsplit(".", 1)[-1],
+                "job_id": info.get("job_id") or _job_id(info.get("handle")),
+                "local_dir": info.get("local_dir"),
+                "remote_dir": info.get("remote_dir"),
+            }
+        )
     exp_id = os.path.basename(os.path.dirname(exp.jobs[0].executor.job_dir)) if exp.jobs else name
     return {"id": exp_id, "jobs": jobs}
 
@@ -78,7 +80,7 @@ def run_status(args) -> None:
         if not rows:
             print(f"no experiments under {root}")
             return
-        for _, title, exp_id in rows[-args.last:]:
+        for _, title, exp_id in rows[-args.last :]:
             print(exp_id)
         return
     status = experiment_status(args.experiment)
@@ -104,16 +106,18 @@ def run_logs(args) -> None:
 
 def register(subparsers) -> None:
     status = subparsers.add_parser(
-        "status", help="state of submitted experiments (NeMo-Run)",
+        "status",
+        help="state of submitted experiments (NeMo-Run)",
         description="Without an id: the latest experiments' ids. With one (or a job name, meaning its latest): "
-                    "each job's state, scheduler job id and directory.",
+        "each job's state, scheduler job id and directory.",
     )
     status.add_argument("experiment", nargs="?", default=None, help="experiment id or job name")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     status.add_argument("--last", type=int, default=20, help="how many experiments to list (default 20)")
     status.set_defaults(func=run_status)
     logs = subparsers.add_parser(
-        "logs", help="logs of a submitted experiment (NeMo-Run)",
+        "logs",
+        help="logs of a submitted experiment (NeMo-Run)",
         description="Print the job's log (all ranks, through torchrun's --tee) to stderr.",
     )
     logs.add_argument("experiment", help="experiment id or job name")

@@ -36,8 +36,15 @@ def allocation_peak(fn) -> tuple[int, int]:
 
 
 def activation_peak(
-    arch: Qwen3Config, *, seq_len: int, micro_batch: int, recompute: str = "none", sequence_parallel: bool = False,
-    params_dtype: torch.dtype = torch.float32, logits_chunk: int = 1024, seed: int = 0,
+    arch: Qwen3Config,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    recompute: str = "none",
+    sequence_parallel: bool = False,
+    params_dtype: torch.dtype = torch.float32,
+    logits_chunk: int = 1024,
+    seed: int = 0,
 ) -> int:
     """Peak bytes of one forward + backward of this rank's stage (PP = 1) with the trainer's
     log-prob kernel as the loss, gradients allocated beforehand."""
@@ -85,12 +92,19 @@ def optimizer_footprint(arch: Qwen3Config, *, params_dtype: torch.dtype = torch.
     params = sum(p.numel() for p in model.parameters())
     ddp = DistributedDataParallel(
         config=model.config,
-        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True),
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+        ),
         module=model,
     )
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-3, bf16=params_dtype == torch.bfloat16, params_dtype=params_dtype,
-                        use_distributed_optimizer=True),
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-3,
+            bf16=params_dtype == torch.bfloat16,
+            params_dtype=params_dtype,
+            use_distributed_optimizer=True,
+        ),
         [ddp],
     )
     for buffer in ddp.buffers:
@@ -106,7 +120,9 @@ def optimizer_footprint(arch: Qwen3Config, *, params_dtype: torch.dtype = torch.
                 if main.untyped_storage().data_ptr() not in buffer_storages:
                     main_bytes += main.numel() * main.element_size()
                 state = torch_opt.state.get(main, {})
-                state_bytes += sum(t.numel() * t.element_size() for k, t in state.items() if k in ("exp_avg", "exp_avg_sq"))
+                state_bytes += sum(
+                    t.numel() * t.element_size() for k, t in state.items() if k in ("exp_avg", "exp_avg_sq")
+                )
     # what the rollout phase leaves on the GPU: the trainer's offload moves each part out and back
     from stapo_megatron.trainer.offload import OPTIMIZER, PARAMS, TrainerOffload
 
@@ -119,6 +135,10 @@ def optimizer_footprint(arch: Qwen3Config, *, params_dtype: torch.dtype = torch.
         "optimizer_bytes": main_bytes + state_bytes,
         "offloaded_bytes": offloaded,
         # Adam's step counters (one fp32 scalar per main parameter), which the planner leaves out
-        "adam_step_bytes": sum(4 for o in getattr(optimizer, "chained_optimizers", [optimizer])
-                               for g in o.optimizer.param_groups for _ in g["params"]),
+        "adam_step_bytes": sum(
+            4
+            for o in getattr(optimizer, "chained_optimizers", [optimizer])
+            for g in o.optimizer.param_groups
+            for _ in g["params"]
+        ),
     }

@@ -53,15 +53,25 @@ def meta_stage(arch: Qwen3Config, tp: int, pp: int, stage: int, params_dtype: to
 
     ensure_single_process_world()
     groups = ProcessGroupCollection(
-        tp=SizedGroup(tp), pp=SizedGroup(pp, stage), cp=SizedGroup(1), tp_cp=SizedGroup(tp),
+        tp=SizedGroup(tp),
+        pp=SizedGroup(pp, stage),
+        cp=SizedGroup(1),
+        tp_cp=SizedGroup(tp),
         # no embedding group: it only all-reduces the initial values of tied embeddings
-        embd=None, pos_embd=None, dp=SizedGroup(1), dp_cp=SizedGroup(1),
+        embd=None,
+        pos_embd=None,
+        dp=SizedGroup(1),
+        dp_cp=SizedGroup(1),
         mp=SizedGroup(tp * pp, stage * tp),
     )
     with torch.device("meta"):
         config = transformer_config(
-            arch, tensor_parallel=tp, pipeline_parallel=pp, params_dtype=params_dtype,
-            perform_initialization=False, use_cpu_initialization=True,
+            arch,
+            tensor_parallel=tp,
+            pipeline_parallel=pp,
+            params_dtype=params_dtype,
+            perform_initialization=False,
+            use_cpu_initialization=True,
         )
         return build_gpt_model(arch, config, pre_process=stage == 0, post_process=stage == pp - 1, pg_collection=groups)
 

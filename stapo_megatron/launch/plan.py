@@ -83,7 +83,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable
-from typing import Literal, Optional
+from typing import Literal
 
 from stapo_megatron.config import MAX_BATCH, MAX_TOKENS, ConfigError, apply_overrides, build, option
 from stapo_megatron.config.command import (
@@ -337,8 +337,9 @@ class Estimate:
     @property
     def rollout_phase(self) -> float:
         """The servers' share plus what the trainer keeps while they hold it (at the weight sync)."""
-        kept = max(st.weights if self.offload else st.weights + st.grads + st.optimizer + st.reference
-                   for st in self.stages)
+        kept = max(
+            st.weights if self.offload else st.weights + st.grads + st.optimizer + st.reference for st in self.stages
+        )
         return kept + self.sglang + self.reserve
 
     @property
@@ -396,15 +397,30 @@ def stage_memory(arch: Qwen3Config, layout: Layout, work: Workload, stage: int) 
         kept += (2 * e if work.kernels == "te" else 8 + e) * arch.hidden_size * tokens / sp
         logits = logits_bytes(arch, tp, work)
     return StageMemory(
-        stage=stage, params=sum(p.numel for p in params), weights=weights, grads=grads,
-        optimizer=max(shards), activations=kept, working=backward_working_set(arch, tp, work), logits=logits,
-        optimizer_by_dp_rank=shards, layers=layers, reference=reference,
+        stage=stage,
+        params=sum(p.numel for p in params),
+        weights=weights,
+        grads=grads,
+        optimizer=max(shards),
+        activations=kept,
+        working=backward_working_set(arch, tp, work),
+        logits=logits,
+        optimizer_by_dp_rank=shards,
+        layers=layers,
+        reference=reference,
     )
 
 
 def estimate(
-    arch: Qwen3Config, layout: Layout, work: Workload, *, gpu_memory_gb: float = 80.0,
-    colocate_fraction: float = 0.0, reserve_gb: float = 4.0, sglang_released: bool = False, offload: bool = False,
+    arch: Qwen3Config,
+    layout: Layout,
+    work: Workload,
+    *,
+    gpu_memory_gb: float = 80.0,
+    colocate_fraction: float = 0.0,
+    reserve_gb: float = 4.0,
+    sglang_released: bool = False,
+    offload: bool = False,
 ) -> Estimate:
     reason = check_layout_fits_model(arch, layout.tp, layout.pp)
     if reason:
@@ -413,8 +429,13 @@ def estimate(
         raise ConfigError(f"--colocate-fraction: must be in [0, 1), got {colocate_fraction}")
     stages = [stage_memory(arch, layout, work, r) for r in range(layout.pp)]
     return Estimate(
-        layout=layout, stages=stages, sglang=colocate_fraction * gpu_memory_gb * GIB,
-        reserve=reserve_gb * GIB, gpu_memory=gpu_memory_gb * GIB, sglang_released=sglang_released, offload=offload,
+        layout=layout,
+        stages=stages,
+        sglang=colocate_fraction * gpu_memory_gb * GIB,
+        reserve=reserve_gb * GIB,
+        gpu_memory=gpu_memory_gb * GIB,
+        sglang_released=sglang_released,
+        offload=offload,
     )
 
 
@@ -450,14 +471,25 @@ class RolloutCapacity:
 
 
 def rollout_capacity(
-    arch: Qwen3Config, *, placement: str, servers: int, server_tp: int, mem_fraction: float,
-    gpu_memory_gb: float, max_seq_len: int,
+    arch: Qwen3Config,
+    *,
+    placement: str,
+    servers: int,
+    server_tp: int,
+    mem_fraction: float,
+    gpu_memory_gb: float,
+    max_seq_len: int,
 ) -> RolloutCapacity:
     weights_per_gpu = arch.num_parameters() * KV_CACHE_BYTES / server_tp
     kv_cache = max(mem_fraction * gpu_memory_gb * GIB - weights_per_gpu, 0.0)
     return RolloutCapacity(
-        placement=placement, servers=servers, server_tp=server_tp, mem_fraction=mem_fraction, kv_cache_per_gpu=kv_cache,
-        tokens_per_server=int(kv_cache // kv_bytes_per_token(arch, server_tp)), max_seq_len=max_seq_len,
+        placement=placement,
+        servers=servers,
+        server_tp=server_tp,
+        mem_fraction=mem_fraction,
+        kv_cache_per_gpu=kv_cache,
+        tokens_per_server=int(kv_cache // kv_bytes_per_token(arch, server_tp)),
+        max_seq_len=max_seq_len,
     )
 
 
@@ -491,16 +523,31 @@ def candidate_layouts(arch: Qwen3Config, gpus: int, gpus_per_node: int = 8) -> l
 
 
 def plan(
-    arch: Qwen3Config, gpus: int, work: Workload, *, gpu_memory_gb: float = 80.0,
-    colocate_fraction: float = 0.0, reserve_gb: float = 4.0, gpus_per_node: int = 8, sglang_released: bool = False,
+    arch: Qwen3Config,
+    gpus: int,
+    work: Workload,
+    *,
+    gpu_memory_gb: float = 80.0,
+    colocate_fraction: float = 0.0,
+    reserve_gb: float = 4.0,
+    gpus_per_node: int = 8,
+    sglang_released: bool = False,
     offload: bool = False,
 ) -> list[Estimate]:
     """Estimates for every buildable layout of ``gpus`` GPUs, smallest model-parallel group first."""
     if gpus < 1:
         raise ConfigError(f"--gpus: must be >= 1, got {gpus}")
     return [
-        estimate(arch, layout, work, gpu_memory_gb=gpu_memory_gb, colocate_fraction=colocate_fraction,
-                 reserve_gb=reserve_gb, sglang_released=sglang_released, offload=offload)
+        estimate(
+            arch,
+            layout,
+            work,
+            gpu_memory_gb=gpu_memory_gb,
+            colocate_fraction=colocate_fraction,
+            reserve_gb=reserve_gb,
+            sglang_released=sglang_released,
+            offload=offload,
+        )
         for layout in candidate_layouts(arch, gpus, gpus_per_node)
     ]
 
@@ -513,8 +560,10 @@ def _gib(x: float) -> str:
 
 
 def format_table(estimates: Iterable[Estimate]) -> str:
-    head = (f"{'TP':>3} {'PP':>3} {'DP':>4} {'layers':>11} {'params/GPU':>14} {'weights':>7} {'grads':>7} {'optim':>7} {'activ':>7} "
-            f"{'work':>7} {'logits':>7} {'sglang':>7} {'reserve':>7} {'total':>7}  fits")
+    head = (
+        f"{'TP':>3} {'PP':>3} {'DP':>4} {'layers':>11} {'params/GPU':>14} {'weights':>7} {'grads':>7} {'optim':>7} {'activ':>7} "
+        f"{'work':>7} {'logits':>7} {'sglang':>7} {'reserve':>7} {'total':>7}  fits"
+    )
     lines = [head]
     for est in estimates:
         w = est.worst
@@ -524,30 +573,44 @@ def format_table(estimates: Iterable[Estimate]) -> str:
             f"{_gib(w.optimizer)} {_gib(w.activations)} {_gib(w.working)} {_gib(w.logits)} {_gib(est.sglang)} "
             f"{_gib(est.reserve)} {_gib(est.total)}  {'yes' if est.fits else 'no'}"
         )
-    lines.append("layers: decoder layers of each pipeline stage; GiB per GPU of the worst pipeline stage; total = weights "
-                 "+ grads + optim + activ + max(work, logits) + sglang + reserve (with --sglang-released: sglang takes "
-                 "turns with the activations)")
+    lines.append(
+        "layers: decoder layers of each pipeline stage; GiB per GPU of the worst pipeline stage; total = weights "
+        "+ grads + optim + activ + max(work, logits) + sglang + reserve (with --sglang-released: sglang takes "
+        "turns with the activations)"
+    )
     return "\n".join(lines)
 
 
 def format_stages(est: Estimate) -> str:
-    lines = [f"TP={est.layout.tp} PP={est.layout.pp} DP={est.layout.dp}, layers per stage {est.layer_split}, "
-             "GiB per GPU of each pipeline stage:",
-             (f"{'stage':>5} {'layers':>6} {'params':>14} {'weights':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'work':>7} "
-              f"{'logits':>7} {'trainer':>7}")]
+    lines = [
+        f"TP={est.layout.tp} PP={est.layout.pp} DP={est.layout.dp}, layers per stage {est.layer_split}, "
+        "GiB per GPU of each pipeline stage:",
+        (
+            f"{'stage':>5} {'layers':>6} {'params':>14} {'weights':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'work':>7} "
+            f"{'logits':>7} {'trainer':>7}"
+        ),
+    ]
     for st in est.stages:
-        lines.append(f"{st.stage:>5} {st.layers:>6} {st.params:>14,} {_gib(st.weights)} {_gib(st.grads)} {_gib(st.optimizer)} "
-                     f"{_gib(st.activations)} {_gib(st.working)} {_gib(st.logits)} {_gib(st.trainer)}")
-    worst, total = est.worst, f"{_gib(est.total).strip()} of {_gib(est.gpu_memory).strip()} GiB: " + (
-        "fits" if est.fits else "does not fit")
+        lines.append(
+            f"{st.stage:>5} {st.layers:>6} {st.params:>14,} {_gib(st.weights)} {_gib(st.grads)} {_gib(st.optimizer)} "
+            f"{_gib(st.activations)} {_gib(st.working)} {_gib(st.logits)} {_gib(st.trainer)}"
+        )
+    worst, total = (
+        est.worst,
+        f"{_gib(est.total).strip()} of {_gib(est.gpu_memory).strip()} GiB: " + ("fits" if est.fits else "does not fit"),
+    )
     if est.sglang_released:
         kept = "weights (the rest offloaded)" if est.offload else "weights + grads + optim"
-        lines.append(f"train phase: worst stage {_gib(worst.trainer).strip()} + reserve {_gib(est.reserve).strip()} "
-                     f"(servers released) = {_gib(est.train_phase).strip()}; rollout phase: sglang {_gib(est.sglang).strip()} "
-                     f"+ trainer {kept} + reserve = {_gib(est.rollout_phase).strip()}; peak {total}")
+        lines.append(
+            f"train phase: worst stage {_gib(worst.trainer).strip()} + reserve {_gib(est.reserve).strip()} "
+            f"(servers released) = {_gib(est.train_phase).strip()}; rollout phase: sglang {_gib(est.sglang).strip()} "
+            f"+ trainer {kept} + reserve = {_gib(est.rollout_phase).strip()}; peak {total}"
+        )
     else:
-        lines.append(f"worst stage {_gib(worst.trainer).strip()} + sglang {_gib(est.sglang).strip()} + reserve "
-                     f"{_gib(est.reserve).strip()} = {total}")
+        lines.append(
+            f"worst stage {_gib(worst.trainer).strip()} + sglang {_gib(est.sglang).strip()} + reserve "
+            f"{_gib(est.reserve).strip()} = {total}"
+        )
     return "\n".join(lines)
 
 
@@ -557,47 +620,78 @@ class PlanConfig:
     Unset (None) fields take the training config's value, else the default their documentation names."""
 
     model: str = option(
-        "", "Qwen3 preset (qwen3_0.6b ... qwen3_32b) or a model YAML ('': the training config's model).")
-    gpus: Optional[int] = option(None, "GPUs of the trainer (default: the training config's world size).", ge=1,
-                                 le=MAX_BATCH)
-    seq_len: Optional[int] = option(
-        None, "Tokens per micro-batch row, prompt + response (default: the training config's "
-        "batch.max_tokens_per_microbatch, else its default).", ge=1, le=MAX_BATCH * MAX_TOKENS)
-    micro_batch: Optional[int] = option(None, "Sequences per micro-batch (default 1).", ge=1, le=MAX_BATCH)
-    sequences_per_minibatch: Optional[int] = option(
-        None, "Sequences per optimizer step, all DP ranks (default: the training config's, else 512 = 64 prompts x 8); "
-        "bounds the micro-batches in flight under pipeline parallelism.", ge=1, le=MAX_BATCH)
-    recompute: Optional[Recompute] = option(
-        None, "Activation recomputation (default: the training config's, else none).")
-    sequence_parallel: Optional[bool] = option(
-        None, "Megatron sequence parallelism: the norm/residual activations split over TP (default: the training "
-        "config's parallel.sequence_parallel, else false).")
+        "", "Qwen3 preset (qwen3_0.6b ... qwen3_32b) or a model YAML ('': the training config's model)."
+    )
+    gpus: int | None = option(
+        None, "GPUs of the trainer (default: the training config's world size).", ge=1, le=MAX_BATCH
+    )
+    seq_len: int | None = option(
+        None,
+        "Tokens per micro-batch row, prompt + response (default: the training config's "
+        "batch.max_tokens_per_microbatch, else its default).",
+        ge=1,
+        le=MAX_BATCH * MAX_TOKENS,
+    )
+    micro_batch: int | None = option(None, "Sequences per micro-batch (default 1).", ge=1, le=MAX_BATCH)
+    sequences_per_minibatch: int | None = option(
+        None,
+        "Sequences per optimizer step, all DP ranks (default: the training config's, else 512 = 64 prompts x 8); "
+        "bounds the micro-batches in flight under pipeline parallelism.",
+        ge=1,
+        le=MAX_BATCH,
+    )
+    recompute: Recompute | None = option(None, "Activation recomputation (default: the training config's, else none).")
+    sequence_parallel: bool | None = option(
+        None,
+        "Megatron sequence parallelism: the norm/residual activations split over TP (default: the training "
+        "config's parallel.sequence_parallel, else false).",
+    )
     kernels: Kernels = option(
-        "te", "te: Transformer Engine with flash attention (GPU); local: Megatron's local spec (no TE).")
-    dtype: Optional[Literal["bfloat16", "float32"]] = option(
-        None, "Parameter dtype (default: the training config's, else bfloat16).")
+        "te", "te: Transformer Engine with flash attention (GPU); local: Megatron's local spec (no TE)."
+    )
+    dtype: Literal["bfloat16", "float32"] | None = option(
+        None, "Parameter dtype (default: the training config's, else bfloat16)."
+    )
     gpu_memory_gb: float = option(80.0, "Memory per GPU in GiB.", gt=0, le=1 << 20)
     gpus_per_node: int = option(8, "Largest TP considered (TP stays within a node).", ge=1, le=MAX_BATCH)
-    colocate_fraction: Optional[float] = option(
-        None, "Fraction of each GPU held by colocated SGLang servers (their mem_fraction_static); 0: separate GPUs "
-        "(default: the training config's, else 0).", ge=0, lt=1)
-    sglang_released: Optional[bool] = option(
-        None, "Colocated servers free their share while the trainer runs (default: the training config's "
-        "rollout.release_memory_between_steps or offload, else false).")
-    offload: Optional[bool] = option(
-        None, "The trainer's state waits in host memory while colocated servers generate; implies sglang_released "
-        "(default: the training config's compute.offload_while_generating, else false).")
-    server_tp: Optional[int] = option(
-        None, "Tensor-parallel size of each SGLang server, for the rollout capacity (default: the training config's, "
-        "else 1).", ge=1, le=MAX_BATCH)
+    colocate_fraction: float | None = option(
+        None,
+        "Fraction of each GPU held by colocated SGLang servers (their mem_fraction_static); 0: separate GPUs "
+        "(default: the training config's, else 0).",
+        ge=0,
+        lt=1,
+    )
+    sglang_released: bool | None = option(
+        None,
+        "Colocated servers free their share while the trainer runs (default: the training config's "
+        "rollout.release_memory_between_steps or offload, else false).",
+    )
+    offload: bool | None = option(
+        None,
+        "The trainer's state waits in host memory while colocated servers generate; implies sglang_released "
+        "(default: the training config's compute.offload_while_generating, else false).",
+    )
+    server_tp: int | None = option(
+        None,
+        "Tensor-parallel size of each SGLang server, for the rollout capacity (default: the training config's, "
+        "else 1).",
+        ge=1,
+        le=MAX_BATCH,
+    )
     reserve_gb: float = option(4.0, "CUDA context, NCCL and fragmentation, GiB per GPU.", ge=0, le=1 << 20)
-    logits_chunk: Optional[int] = option(
-        None, "Tokens per log-prob/entropy chunk (default: the training config's, else 1024).", ge=1, le=MAX_TOKENS)
-    distributed_optimizer: Optional[bool] = option(
-        None, "Optimizer state sharded over DP (default: the training config's optim.distributed, else true).")
-    tp: Optional[int] = option(None, "Show this layout's stages in detail (with pp; default with a training config: "
-                               "its layout).", ge=1, le=MAX_BATCH)
-    pp: Optional[int] = option(None, "Pipeline stages of the detailed layout.", ge=1, le=MAX_BATCH)
+    logits_chunk: int | None = option(
+        None, "Tokens per log-prob/entropy chunk (default: the training config's, else 1024).", ge=1, le=MAX_TOKENS
+    )
+    distributed_optimizer: bool | None = option(
+        None, "Optimizer state sharded over DP (default: the training config's optim.distributed, else true)."
+    )
+    tp: int | None = option(
+        None,
+        "Show this layout's stages in detail (with pp; default with a training config: its layout).",
+        ge=1,
+        le=MAX_BATCH,
+    )
+    pp: int | None = option(None, "Pipeline stages of the detailed layout.", ge=1, le=MAX_BATCH)
     search: bool = option(False, "With a training config: list layouts instead of the config's own.")
     all: bool = option(False, "List layouts that do not fit too.")
 
@@ -620,7 +714,8 @@ def _from_config(cfg) -> dict:
         "distributed_optimizer": cfg.optim.distributed,
         "colocate_fraction": sglang.mem_fraction_static if colocated else 0.0,
         # the trainer has colocated servers free their memory while it trains (always with offload)
-        "sglang_released": colocated and (cfg.rollout.release_memory_between_steps or cfg.compute.offload_while_generating),
+        "sglang_released": colocated
+        and (cfg.rollout.release_memory_between_steps or cfg.compute.offload_while_generating),
         "offload": colocated and cfg.compute.offload_while_generating,
         "server_tp": sglang.tp_size,
         "mem_fraction": sglang.mem_fraction_static,
@@ -642,9 +737,12 @@ def _pick(cfg: PlanConfig, defaults: dict, name: str, fallback):
 
 def plan_command() -> CommandConfig:
     return CommandConfig(
-        "plan", PlanConfig, FLAGS, section="plan",
+        "plan",
+        PlanConfig,
+        FLAGS,
+        section="plan",
         note="With --config (a training config), unset fields take its values; its other fields may be overridden "
-             "(e.g. batch.max_new_tokens=8192), see stapo config --docs.",
+        "(e.g. batch.max_new_tokens=8192), see stapo config --docs.",
     )
 
 
@@ -658,7 +756,8 @@ def load_plan(args):
         train = build(TrainConfig, apply_overrides(loaded.train_data, loaded.train_overrides))
     elif loaded.train_overrides:
         raise ConfigError(
-            f"override '{loaded.train_overrides[0]}': sets a training config field, but no --config is given")
+            f"override '{loaded.train_overrides[0]}': sets a training config field, but no --config is given"
+        )
     return loaded.cfg, loaded.names, train
 
 
@@ -699,23 +798,39 @@ def show_plan(cfg: PlanConfig, names, train) -> None:
         "sglang_released": _pick(cfg, defaults, "sglang_released", False) or offload,
         "offload": offload,
     }
-    print(f"{arch.num_parameters():,} parameters; {gpus} GPUs of {cfg.gpu_memory_gb:g} GiB; sequence {work.seq_len} "
-          f"tokens x micro-batch {work.micro_batch}; recompute {work.recompute}"
-          f"{' with sequence parallelism' if work.sequence_parallel else ''}; kernels {work.kernels}; "
-          f"{work.params_dtype}; colocated SGLang share {options['colocate_fraction']:g}"
-          f"{' (released while training)' if options['sglang_released'] else ''}"
-          f"{'; trainer offloaded while generating' if options['offload'] else ''}")
+    print(
+        f"{arch.num_parameters():,} parameters; {gpus} GPUs of {cfg.gpu_memory_gb:g} GiB; sequence {work.seq_len} "
+        f"tokens x micro-batch {work.micro_batch}; recompute {work.recompute}"
+        f"{' with sequence parallelism' if work.sequence_parallel else ''}; kernels {work.kernels}; "
+        f"{work.params_dtype}; colocated SGLang share {options['colocate_fraction']:g}"
+        f"{' (released while training)' if options['sglang_released'] else ''}"
+        f"{'; trainer offloaded while generating' if options['offload'] else ''}"
+    )
     server_tp = _pick(cfg, defaults, "server_tp", 1)
     if gpus % server_tp:
         raise ConfigError(f"plan.server_tp: must be >= 1 and divide the {gpus} GPUs, got {server_tp}")
     mem_fraction = options["colocate_fraction"] or defaults.get("mem_fraction", 0.8)
     rollout_len = defaults.get("rollout_len", work.seq_len)
-    print(format_capacity([
-        rollout_capacity(arch, placement=placement, servers=servers, server_tp=server_tp, mem_fraction=mem_fraction,
-                         gpu_memory_gb=cfg.gpu_memory_gb, max_seq_len=rollout_len)
-        for placement, servers in (("colocated", gpus // server_tp),
-                                   ("disaggregated", defaults.get("dedicated_servers", 1)))
-    ], arch))
+    print(
+        format_capacity(
+            [
+                rollout_capacity(
+                    arch,
+                    placement=placement,
+                    servers=servers,
+                    server_tp=server_tp,
+                    mem_fraction=mem_fraction,
+                    gpu_memory_gb=cfg.gpu_memory_gb,
+                    max_seq_len=rollout_len,
+                )
+                for placement, servers in (
+                    ("colocated", gpus // server_tp),
+                    ("disaggregated", defaults.get("dedicated_servers", 1)),
+                )
+            ],
+            arch,
+        )
+    )
     if cfg.tp is not None or cfg.pp is not None or (train is not None and not cfg.search):
         tp, pp = _pick(cfg, defaults, "tp", 1), _pick(cfg, defaults, "pp", 1)
         if gpus % (tp * pp):
@@ -728,8 +843,10 @@ def show_plan(cfg: PlanConfig, names, train) -> None:
     if not shown:
         best = min(estimates, key=lambda e: e.total) if estimates else None
         hint = f" (least: TP={best.layout.tp} PP={best.layout.pp}, {best.total / GIB:.1f} GiB)" if best else ""
-        print(f"no layout of {gpus} GPUs fits in {cfg.gpu_memory_gb:g} GiB{hint}; try recompute full, more GPUs or a "
-              "shorter sequence")
+        print(
+            f"no layout of {gpus} GPUs fits in {cfg.gpu_memory_gb:g} GiB{hint}; try recompute full, more GPUs or a "
+            "shorter sequence"
+        )
         return
     print(format_table(shown))
 
@@ -737,11 +854,26 @@ def show_plan(cfg: PlanConfig, names, train) -> None:
 FLAGS = tuple(
     Flag(f"--{name.replace('_', '-')}", f"plan.{name}", kind=kind)
     for name, kind in (
-        ("model", "value"), ("gpus", "value"), ("seq_len", "value"), ("micro_batch", "value"),
-        ("sequences_per_minibatch", "value"), ("recompute", "value"), ("sequence_parallel", "true"),
-        ("kernels", "value"), ("dtype", "value"), ("gpu_memory_gb", "value"), ("gpus_per_node", "value"),
-        ("colocate_fraction", "value"), ("sglang_released", "true"), ("offload", "true"), ("server_tp", "value"),
-        ("reserve_gb", "value"), ("logits_chunk", "value"), ("tp", "value"), ("pp", "value"), ("search", "true"),
+        ("model", "value"),
+        ("gpus", "value"),
+        ("seq_len", "value"),
+        ("micro_batch", "value"),
+        ("sequences_per_minibatch", "value"),
+        ("recompute", "value"),
+        ("sequence_parallel", "true"),
+        ("kernels", "value"),
+        ("dtype", "value"),
+        ("gpu_memory_gb", "value"),
+        ("gpus_per_node", "value"),
+        ("colocate_fraction", "value"),
+        ("sglang_released", "true"),
+        ("offload", "true"),
+        ("server_tp", "value"),
+        ("reserve_gb", "value"),
+        ("logits_chunk", "value"),
+        ("tp", "value"),
+        ("pp", "value"),
+        ("search", "true"),
         ("all", "true"),
     )
 ) + (Flag("--no-distributed-optimizer", "plan.distributed_optimizer", kind="false"),)
@@ -753,12 +885,13 @@ def register(subparsers) -> None:
         "plan",
         help="per-GPU memory of a training layout and the (TP, PP, DP) layouts that fit",
         description="Estimate weights, gradients, optimizer state, activations, logits and SGLang's share per GPU "
-                    "(formula: stapo_megatron/launch/plan.py).",
+        "(formula: stapo_megatron/launch/plan.py).",
     )
     add_command_arguments(
-        parser, plan_command(),
+        parser,
+        plan_command(),
         config_help="training config: model, lengths, batch, recompute and layout; "
-                    "its plan: section holds these fields",
+        "its plan: section holds these fields",
         overrides_help="dotted overrides: plan.FIELD=VALUE, or a field of the training config",
     )
     parser.set_defaults(func=run_plan)

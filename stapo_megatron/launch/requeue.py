@@ -60,7 +60,9 @@ def check_requeue_options(signal_lead_s: int, max_requeues: int, time_limit: str
     if not 1 <= signal_lead_s <= MAX_SIGNAL_LEAD_S:
         raise ConfigError(f"--signal-lead: must be in [1, {MAX_SIGNAL_LEAD_S}] seconds, got {signal_lead_s}")
     if signal_lead_s >= limit:
-        raise ConfigError(f"--signal-lead: {signal_lead_s} s leaves no time to train within --time {time_limit} ({limit} s)")
+        raise ConfigError(
+            f"--signal-lead: {signal_lead_s} s leaves no time to train within --time {time_limit} ({limit} s)"
+        )
 
 
 def run_dir_for_batch_shell(run_dir: str, job_workdir: str, mounts: list[str], *, in_container: bool) -> str:
@@ -75,15 +77,19 @@ def run_dir_for_batch_shell(run_dir: str, job_workdir: str, mounts: list[str], *
     for mount in mounts:
         source, target = mount.split(":")[:2]
         target = posixpath.normpath(target)
-        if (path == target or path.startswith(target.rstrip("/") + "/")) and (best is None or len(target) > len(best[1])):
+        if (path == target or path.startswith(target.rstrip("/") + "/")) and (
+            best is None or len(target) > len(best[1])
+        ):
             best = (source, target)
     if best is None:
         if in_container:
-            raise ConfigError(f"--max-requeues: the run directory {path} exists inside the container only, where the batch "
-                              "script cannot stop and requeue the run; put run.output_dir under one of --mounts")
+            raise ConfigError(
+                f"--max-requeues: the run directory {path} exists inside the container only, where the batch "
+                "script cannot stop and requeue the run; put run.output_dir under one of --mounts"
+            )
         return path
     source, target = best
-    return posixpath.normpath(source + path[len(target):])
+    return posixpath.normpath(source + path[len(target) :])
 
 
 def batch_script_lines(run_dir: str, signal_lead_s: int, max_requeues: int) -> str:

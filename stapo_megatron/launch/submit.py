@@ -29,8 +29,7 @@ import shlex
 import shutil
 import sys
 import time
-
-from typing import Literal, Optional
+from typing import Literal
 
 import yaml
 
@@ -45,7 +44,11 @@ from stapo_megatron.config.command import (
 )
 from stapo_megatron.config.core import check_fields
 from stapo_megatron.launch.requeue import (
-    DEFAULT_MAX_REQUEUES, DEFAULT_SIGNAL_LEAD_S, batch_script_lines, check_requeue_options, run_dir_for_batch_shell,
+    DEFAULT_MAX_REQUEUES,
+    DEFAULT_SIGNAL_LEAD_S,
+    batch_script_lines,
+    check_requeue_options,
+    run_dir_for_batch_shell,
     time_limit_seconds,
 )
 from stapo_megatron.trainer.config import TrainConfig
@@ -83,41 +86,56 @@ class SubmitConfig:
     """``stapo submit``'s fields: the ``submit:`` section of the training config, or the command line."""
 
     executor: Literal["slurm", "local"] = option(
-        "slurm", "slurm: NeMo-Run's SlurmExecutor (torchrun launcher); local: NeMo-Run's LocalExecutor, here.")
+        "slurm", "slurm: NeMo-Run's SlurmExecutor (torchrun launcher); local: NeMo-Run's LocalExecutor, here."
+    )
     nodes: int = option(1, "Nodes (slurm).", ge=1, le=MAX_BATCH)
-    gpus_per_node: Optional[int] = option(
-        None, "GPUs per node, one rank each (default: the config's world size / nodes); 0: CPU nodes.", ge=0, le=MAX_BATCH)
-    procs_per_node: Optional[int] = option(
-        None, "Ranks per node (default: gpus_per_node); required with gpus_per_node 0.", ge=1, le=MAX_BATCH)
-    partition: Optional[str] = option(None, "SLURM partition.")
-    account: Optional[str] = option(None, "SLURM account to charge (required for slurm).")
+    gpus_per_node: int | None = option(
+        None,
+        "GPUs per node, one rank each (default: the config's world size / nodes); 0: CPU nodes.",
+        ge=0,
+        le=MAX_BATCH,
+    )
+    procs_per_node: int | None = option(
+        None, "Ranks per node (default: gpus_per_node); required with gpus_per_node 0.", ge=1, le=MAX_BATCH
+    )
+    partition: str | None = option(None, "SLURM partition.")
+    account: str | None = option(None, "SLURM account to charge (required for slurm).")
     time: str = option(DEFAULT_TIME, "SLURM time limit.")
-    signal_lead: Optional[int] = option(
-        None, "Slurm: the job is signalled this many seconds before its time limit and the run checkpoints and stops "
+    signal_lead: int | None = option(
+        None,
+        "Slurm: the job is signalled this many seconds before its time limit and the run checkpoints and stops "
         "after its current step; give more than a step and a checkpoint take "
-        f"(default {DEFAULT_SIGNAL_LEAD_S}, or a quarter of time if shorter).")
-    max_requeues: Optional[int] = option(
-        None, "Slurm: a job that ends before run.steps (stopped for its time limit, a hang, a failure) requeues itself "
-        f"and resumes from its latest checkpoint, at most this many times (default {DEFAULT_MAX_REQUEUES}; 0: never).")
-    cpus_per_task: Optional[int] = option(None, "CPUs for each node's task (torchrun and its ranks).", ge=1, le=MAX_BATCH)
+        f"(default {DEFAULT_SIGNAL_LEAD_S}, or a quarter of time if shorter).",
+    )
+    max_requeues: int | None = option(
+        None,
+        "Slurm: a job that ends before run.steps (stopped for its time limit, a hang, a failure) requeues itself "
+        f"and resumes from its latest checkpoint, at most this many times (default {DEFAULT_MAX_REQUEUES}; 0: never).",
+    )
+    cpus_per_task: int | None = option(None, "CPUs for each node's task (torchrun and its ranks).", ge=1, le=MAX_BATCH)
     exclusive: bool = option(False, "Whole nodes (slurm).")
-    container_image: Optional[str] = option(None, "Container image (pyxis/enroot); the job dir is mounted at /nemo_run.")
+    container_image: str | None = option(None, "Container image (pyxis/enroot); the job dir is mounted at /nemo_run.")
     mounts: list[str] = option([], "Container mounts, SRC:DST or SRC:DST:FLAGS.")
     env: list[str] = option([], "Job environment, NAME=VALUE each.")
-    job_name: Optional[str] = option(None, "Experiment and job name (default: run.name).")
+    job_name: str | None = option(None, "Experiment and job name (default: run.name).")
     tunnel: Literal["local", "ssh"] = option(
-        "local", "local: sbatch on this machine (a login node); ssh: through host.")
-    host: Optional[str] = option(None, "Login node (with tunnel ssh).")
-    user: Optional[str] = option(None, "User on the login node (with tunnel ssh).")
-    port: Optional[int] = option(None, "SSH port.", ge=1, le=65535)
-    identity: Optional[str] = option(None, "SSH private key.")
-    remote_job_dir: Optional[str] = option(None, "Experiments directory on the cluster (with tunnel ssh).")
-    workdir: Optional[str] = option(
-        None, "Directory the job runs in, where relative config paths resolve (default: this directory when the job "
-        "shares this file system, else NeMo-Run's job directory).")
-    check_files: Optional[bool] = option(
-        None, "Check that the config's files exist here (default: true, except with tunnel ssh, where paths may exist "
-        "only on the cluster).")
+        "local", "local: sbatch on this machine (a login node); ssh: through host."
+    )
+    host: str | None = option(None, "Login node (with tunnel ssh).")
+    user: str | None = option(None, "User on the login node (with tunnel ssh).")
+    port: int | None = option(None, "SSH port.", ge=1, le=65535)
+    identity: str | None = option(None, "SSH private key.")
+    remote_job_dir: str | None = option(None, "Experiments directory on the cluster (with tunnel ssh).")
+    workdir: str | None = option(
+        None,
+        "Directory the job runs in, where relative config paths resolve (default: this directory when the job "
+        "shares this file system, else NeMo-Run's job directory).",
+    )
+    check_files: bool | None = option(
+        None,
+        "Check that the config's files exist here (default: true, except with tunnel ssh, where paths may exist "
+        "only on the cluster).",
+    )
     dryrun: bool = option(False, "Print the sbatch script (local: the job script); submit nothing.")
     wait: bool = option(False, "Slurm: wait for the job to end (default: return once submitted).")
 
@@ -129,7 +147,7 @@ class SubmitConfig:
 class SubmitOptions(SubmitConfig):
     """A submission: the training config (file and dotted overrides, as for ``stapo train``) and how to run it."""
 
-    config: Optional[str] = None  # None: the packaged tiny_cpu.yaml
+    config: str | None = None  # None: the packaged tiny_cpu.yaml
     overrides: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -158,8 +176,10 @@ def resolve_processes(options: SubmitOptions, cfg: TrainConfig) -> Processes:
     """Nodes x processes per node, checked against the config's parallel layout."""
     p = cfg.parallel
     world = p.world_size
-    layout = (f"tensor x pipeline x context x data parallel = {p.tensor_parallel} x {p.pipeline_parallel} x "
-              f"{p.context_parallel} x {p.data_parallel} = {world}")
+    layout = (
+        f"tensor x pipeline x context x data parallel = {p.tensor_parallel} x {p.pipeline_parallel} x "
+        f"{p.context_parallel} x {p.data_parallel} = {world}"
+    )
     if options.executor == "local" and options.nodes != 1:
         raise ConfigError(f"--nodes: the local executor runs on this machine only (1 node), got {options.nodes}")
     gpus, procs = options.gpus_per_node, options.procs_per_node
@@ -168,18 +188,24 @@ def resolve_processes(options: SubmitOptions, cfg: TrainConfig) -> Processes:
             raise ConfigError("--procs-per-node: required on CPU nodes (--gpus-per-node 0): processes per node")
         if gpus is None:
             if world % options.nodes:
-                raise ConfigError(f"--nodes: {options.nodes} nodes cannot hold the {world} ranks of the config's layout "
-                                  f"({layout}) evenly")
+                raise ConfigError(
+                    f"--nodes: {options.nodes} nodes cannot hold the {world} ranks of the config's layout "
+                    f"({layout}) evenly"
+                )
             procs = world // options.nodes
         else:
             procs = gpus
     if gpus is None:
         gpus = procs if options.executor == "slurm" else 0
     if gpus and procs > gpus:
-        raise ConfigError(f"--procs-per-node: {procs} processes per node need one GPU each, but --gpus-per-node is {gpus}")
+        raise ConfigError(
+            f"--procs-per-node: {procs} processes per node need one GPU each, but --gpus-per-node is {gpus}"
+        )
     if options.nodes * procs != world:
-        raise ConfigError(f"--nodes/--gpus-per-node: {options.nodes} node(s) x {procs} processes per node = "
-                          f"{options.nodes * procs}, but the config's layout needs {layout}")
+        raise ConfigError(
+            f"--nodes/--gpus-per-node: {options.nodes} node(s) x {procs} processes per node = "
+            f"{options.nodes * procs}, but the config's layout needs {layout}"
+        )
     return Processes(nodes=options.nodes, per_node=procs, gpus_per_node=gpus)
 
 
@@ -222,7 +248,9 @@ def parse_env(items: list[str]) -> dict[str, str]:
             raise ConfigError(f"--env {item}: expected NAME=VALUE")
         if not _ENV_NAME.fullmatch(name):
             # NeMo-Run writes `export NAME.upper()=...`; a lower-case name would silently change
-            raise ConfigError(f"--env {item}: the name must be upper-case letters, digits and _ (NeMo-Run upper-cases names)")
+            raise ConfigError(
+                f"--env {item}: the name must be upper-case letters, digits and _ (NeMo-Run upper-cases names)"
+            )
         env[name] = value
     return env
 
@@ -238,28 +266,44 @@ def parse_mounts(items: list[str]) -> list[str]:
 def check_unquoted(flag: str, value: str) -> None:
     """A value NeMo-Run writes into the sbatch script as it is (its srun line quotes nothing)."""
     if not _SHELL_SAFE.fullmatch(value):
-        raise ConfigError(f"{flag}: {value!r} cannot go into the sbatch script, which NeMo-Run writes it into unquoted "
-                          "(use letters, digits and _@%+=:,./- only)")
+        raise ConfigError(
+            f"{flag}: {value!r} cannot go into the sbatch script, which NeMo-Run writes it into unquoted "
+            "(use letters, digits and _@%+=:,./- only)"
+        )
 
 
 def check_one_line(flag: str, value: str) -> None:
     """A value stapo quotes for the script must still fit on its one line."""
     if not value.isprintable():
-        raise ConfigError(f"{flag}: {value!r} contains a control character (e.g. a newline), which the job script cannot carry")
+        raise ConfigError(
+            f"{flag}: {value!r} contains a control character (e.g. a newline), which the job script cannot carry"
+        )
 
 
 def check_options(options: SubmitOptions) -> None:
     if options.workdir is not None:
         check_one_line("--workdir", options.workdir)
     if options.job_name is not None and not _JOB_NAME.fullmatch(options.job_name):
-        raise ConfigError(f"--job-name: {options.job_name!r} must be letters, digits, '_', '.', '-' (it names a directory)")
+        raise ConfigError(
+            f"--job-name: {options.job_name!r} must be letters, digits, '_', '.', '-' (it names a directory)"
+        )
     if options.executor == "local":
-        slurm_only = {"--partition": options.partition, "--account": options.account, "--container-image": options.container_image,
-                      "--mounts": options.mounts, "--cpus-per-task": options.cpus_per_task, "--exclusive": options.exclusive,
-                      "--host": options.host, "--remote-job-dir": options.remote_job_dir}
+        slurm_only = {
+            "--partition": options.partition,
+            "--account": options.account,
+            "--container-image": options.container_image,
+            "--mounts": options.mounts,
+            "--cpus-per-task": options.cpus_per_task,
+            "--exclusive": options.exclusive,
+            "--host": options.host,
+            "--remote-job-dir": options.remote_job_dir,
+        }
         given = [flag for flag, value in slurm_only.items() if value]
-        given += [flag for flag, value in (("--signal-lead", options.signal_lead), ("--max-requeues", options.max_requeues))
-                  if value is not None]
+        given += [
+            flag
+            for flag, value in (("--signal-lead", options.signal_lead), ("--max-requeues", options.max_requeues))
+            if value is not None
+        ]
         if given:
             raise ConfigError(f"{given[0]}: only for --executor slurm")
         if options.tunnel != "local":
@@ -267,13 +311,21 @@ def check_options(options: SubmitOptions) -> None:
         return
     if not options.account:
         raise ConfigError("--account: required by --executor slurm (the SLURM account to charge)")
-    for flag, value in (("--account", options.account), ("--partition", options.partition),
-                        ("--container-image", options.container_image), ("--remote-job-dir", options.remote_job_dir),
-                        *(("--mounts", mount) for mount in options.mounts)):
+    for flag, value in (
+        ("--account", options.account),
+        ("--partition", options.partition),
+        ("--container-image", options.container_image),
+        ("--remote-job-dir", options.remote_job_dir),
+        *(("--mounts", mount) for mount in options.mounts),
+    ):
         if value is not None:
             check_unquoted(flag, value)
     if options.tunnel == "ssh":
-        for flag, value in (("--host", options.host), ("--user", options.user), ("--remote-job-dir", options.remote_job_dir)):
+        for flag, value in (
+            ("--host", options.host),
+            ("--user", options.user),
+            ("--remote-job-dir", options.remote_job_dir),
+        ):
             if not value:
                 raise ConfigError(f"{flag}: required with --tunnel ssh")
     check_requeue_options(signal_lead_s(options), max_requeues(options), options.time)
@@ -356,8 +408,13 @@ def _slurm_executor(run, options: SubmitOptions, sub: Submission):
     from stapo_megatron.launch.nemo import ResolvedConfigPackager
 
     if options.tunnel == "ssh":
-        tunnel = run.SSHTunnel(host=options.host, user=options.user, job_dir=options.remote_job_dir,
-                               identity=options.identity, port=options.port)
+        tunnel = run.SSHTunnel(
+            host=options.host,
+            user=options.user,
+            job_dir=options.remote_job_dir,
+            identity=options.identity,
+            port=options.port,
+        )
     else:
         from nemo_run.config import get_nemorun_home
 
@@ -417,8 +474,12 @@ def _slurm_task(run):
     from stapo_megatron.launch.nemo import CONFIG_NAME, JOB_DIR_IN_SCRIPT
 
     # `stapo train` inside torchrun is one rank (RANK and WORLD_SIZE are set)
-    return run.Script(path="stapo_megatron.cli", args=["train", "--config", f"{JOB_DIR_IN_SCRIPT}/{CONFIG_NAME}"],
-                      entrypoint="python", m=True)
+    return run.Script(
+        path="stapo_megatron.cli",
+        args=["train", "--config", f"{JOB_DIR_IN_SCRIPT}/{CONFIG_NAME}"],
+        entrypoint="python",
+        m=True,
+    )
 
 
 def local_script(sub: Submission, workdir: str) -> str:
@@ -427,17 +488,19 @@ def local_script(sub: Submission, workdir: str) -> str:
 
     if _CONFIG_EOF in sub.config_yaml:
         raise ConfigError(f"config: contains the line {_CONFIG_EOF}, which ends the job script's here-document")
-    return "\n".join([
-        "set -euo pipefail",
-        # NeMo-Run writes this script to <job dir>/scripts/
-        'job_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"',
-        f'cat > "$job_dir/{CONFIG_NAME}" <<\'{_CONFIG_EOF}\'',
-        sub.config_yaml.rstrip("\n"),
-        _CONFIG_EOF,
-        f"cd {shlex.quote(workdir)}",
-        f'exec {shlex.quote(sys.executable)} -m stapo_megatron.cli train --config "$job_dir/{CONFIG_NAME}"',
-        "",
-    ])
+    return "\n".join(
+        [
+            "set -euo pipefail",
+            # NeMo-Run writes this script to <job dir>/scripts/
+            'job_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"',
+            f"cat > \"$job_dir/{CONFIG_NAME}\" <<'{_CONFIG_EOF}'",
+            sub.config_yaml.rstrip("\n"),
+            _CONFIG_EOF,
+            f"cd {shlex.quote(workdir)}",
+            f'exec {shlex.quote(sys.executable)} -m stapo_megatron.cli train --config "$job_dir/{CONFIG_NAME}"',
+            "",
+        ]
+    )
 
 
 def _job_id(handle: str | None) -> str:
@@ -453,7 +516,9 @@ def submit(options: SubmitOptions) -> int:
         print(note, file=sys.stderr)
     run = import_nemo_run("stapo submit")
     if options.executor == "slurm":
-        _batch_shell_run_dir(options, sub, cluster_job_dir="/")  # an unreachable run directory: refused before any experiment
+        _batch_shell_run_dir(
+            options, sub, cluster_job_dir="/"
+        )  # an unreachable run directory: refused before any experiment
     with nemo_console_to_stderr():
         if options.executor == "slurm":
             executor, task = _slurm_executor(run, options, sub), _slurm_task(run)
@@ -462,8 +527,14 @@ def submit(options: SubmitOptions) -> int:
             task = run.Script(inline=local_script(sub, workdir_for(options)))
         # the id is NeMo-Run's own scheme (<title>_<ns>), made here so stapo can print it
         exp_id = f"{sub.title}_{time.time_ns()}"
-        exp = run.Experiment(sub.title, executor=executor, id=exp_id, log_level="WARN", enable_goodbye_message=False,
-                             skip_status_at_exit=True)
+        exp = run.Experiment(
+            sub.title,
+            executor=executor,
+            id=exp_id,
+            log_level="WARN",
+            enable_goodbye_message=False,
+            skip_status_at_exit=True,
+        )
         with exp:
             exp.add(task, name=sub.title)
             job = exp.jobs[0]
@@ -510,9 +581,12 @@ def _dryrun_text(options: SubmitOptions, job) -> str:
 
 def submit_command() -> CommandConfig:
     return CommandConfig(
-        "submit", SubmitConfig, FLAGS, section=SUBMIT_SECTION,
+        "submit",
+        SubmitConfig,
+        FLAGS,
+        section=SUBMIT_SECTION,
         note="The other dotted overrides and the rest of --config are the training config, as for stapo train "
-             "(stapo config --docs).",
+        "(stapo config --docs).",
     )
 
 
@@ -534,9 +608,12 @@ def run_submit(args) -> None:
 _FLAG_KINDS = {"exclusive": "true", "mounts": "append", "env": "append", "dryrun": "true", "wait": "true"}
 FLAGS = tuple(
     Flag(f"--{f.name.replace('_', '-')}", f"{SUBMIT_SECTION}.{f.name}", kind=_FLAG_KINDS.get(f.name, "value"))
-    for f in dataclasses.fields(SubmitConfig) if f.name != "check_files"
-) + (Flag("--check-files", f"{SUBMIT_SECTION}.check_files", kind="true"),
-     Flag("--no-check-files", f"{SUBMIT_SECTION}.check_files", kind="false"))
+    for f in dataclasses.fields(SubmitConfig)
+    if f.name != "check_files"
+) + (
+    Flag("--check-files", f"{SUBMIT_SECTION}.check_files", kind="true"),
+    Flag("--no-check-files", f"{SUBMIT_SECTION}.check_files", kind="false"),
+)
 
 
 def register(subparsers) -> None:
@@ -545,12 +622,13 @@ def register(subparsers) -> None:
         "submit",
         help="submit stapo train to SLURM (or run it locally) through NeMo-Run",
         description="Check a training config, copy it resolved into a NeMo-Run job directory and run `stapo train` "
-                    "on it with SLURM (torchrun launcher) or locally.",
+        "on it with SLURM (torchrun launcher) or locally.",
     )
     add_command_arguments(
-        parser, submit_command(),
+        parser,
+        submit_command(),
         config_help="training config (default: the packaged tiny_cpu.yaml); its submit: section holds these fields",
         overrides_help="dotted overrides: submit.FIELD=VALUE, or a training config field as for stapo train "
-                       "(e.g. run.steps=100)",
+        "(e.g. run.steps=100)",
     )
     parser.set_defaults(func=run_submit)

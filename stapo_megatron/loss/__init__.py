@@ -13,7 +13,12 @@
 - :mod:`.config`: :class:`AlgoConfig` (presets in ``configs/algo``).
 """
 
-from stapo_megatron.loss.advantages import correctness_reward, dynamic_sampling_filter, group_advantages, overlong_penalty
+from stapo_megatron.loss.advantages import (
+    correctness_reward,
+    dynamic_sampling_filter,
+    group_advantages,
+    overlong_penalty,
+)
 from stapo_megatron.loss.config import AlgoConfig
 from stapo_megatron.loss.logprob_entropy import DEFAULT_CHUNK_SIZE, vocab_parallel_logprob_entropy
 from stapo_megatron.loss.metrics import all_reduce_metrics, reduce_metrics
@@ -21,7 +26,12 @@ from stapo_megatron.loss.objectives import OBJECTIVES, Objective, get_objective,
 from stapo_megatron.loss.policy import k3, policy_loss
 from stapo_megatron.loss.quantile import gather_values, quantile_threshold
 from stapo_megatron.loss.related_rules import STARERule  # registers the related-paper rules
-from stapo_megatron.loss.rollout_correction import ROLLOUT_CORRECTIONS, mismatch_sums, rollout_correction, summarize_mismatch
+from stapo_megatron.loss.rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    mismatch_sums,
+    rollout_correction,
+    summarize_mismatch,
+)
 from stapo_megatron.loss.selection import (
     Selection,
     minibatch_threshold,

@@ -6,8 +6,6 @@ Rewards are laid out group by group: responses [g*G, (g+1)*G) answer prompt g.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 SCALES = ("std", "none")
@@ -40,7 +38,7 @@ def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, scale: Optional[str] = "std", eps: float = 1e-6
+    rewards: torch.Tensor, group_size: int, scale: str | None = "std", eps: float = 1e-6
 ) -> torch.Tensor:
     """One advantage per response: (r - mean) / (std + eps) (GRPO) or r - mean (``scale=None`` or
     ``"none"``: Dr. GRPO), mean and std over the response's group.
@@ -68,9 +66,7 @@ def dynamic_sampling_filter(rewards: torch.Tensor, group_size: int) -> torch.Ten
     return mixed.nonzero().squeeze(-1)
 
 
-def overlong_penalty(
-    lengths: torch.Tensor, max_length: int, buffer: int, penalty_factor: float = 1.0
-) -> torch.Tensor:
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, penalty_factor: float = 1.0) -> torch.Tensor:
     """DAPO's soft overlong punishment (arXiv 2503.14476, Eq. 13, L_max = ``max_length``, L_cache =
     ``buffer``; verl's DAPO reward manager), added to the signed reward (<= 0), per response length:
 

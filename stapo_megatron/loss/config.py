@@ -6,7 +6,7 @@ Presets in ``configs/algo/`` (stapo, grpo, dapo, entropy20, justrl, grpo_kl, cli
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Optional
+from typing import Literal
 
 from stapo_megatron.config.core import MAX_TOKENS, ConfigError, option
 from stapo_megatron.loss.objectives import OBJECTIVES
@@ -40,9 +40,7 @@ class AlgoConfig:
         "Where quantile thresholds are computed: the whole optimizer mini-batch across micro-batches and "
         "data-parallel ranks (needs a statistics pass), or each micro-batch on its own rank.",
     )
-    tau_h: Optional[float] = option(
-        None, "S2T: fixed entropy threshold instead of the quantile (None: use q).", ge=0
-    )
+    tau_h: float | None = option(None, "S2T: fixed entropy threshold instead of the quantile (None: use q).", ge=0)
     # --- 20-Entropy ---
     top_fraction: float = option(
         0.2, "high_entropy rule: fraction of response tokens kept, by highest entropy.", gt=0, le=1
@@ -80,9 +78,7 @@ class AlgoConfig:
         ge=0,
         le=1,
     )
-    eps_high: float = option(
-        0.28, "Clip range above (clip-higher): the ratio is clipped at 1 + eps_high.", ge=0
-    )
+    eps_high: float = option(0.28, "Clip range above (clip-higher): the ratio is clipped at 1 + eps_high.", ge=0)
     clip_ratio_c: float = option(
         3.0,
         "Dual-clip (Ye et al. 2020; veRL's actor.clip_ratio_c, default 3.0): for A < 0 a token's "
@@ -167,12 +163,8 @@ class AlgoConfig:
     overlong_shaping: bool = option(
         False, "Add DAPO's soft length penalty for responses in the last overlong_buffer tokens before the maximum."
     )
-    overlong_buffer: int = option(
-        4096, "Overlong shaping: length of the penalty ramp in tokens.", ge=1, le=MAX_TOKENS
-    )
-    overlong_penalty_factor: float = option(
-        1.0, "Overlong shaping: penalty at (and beyond) the maximum length.", ge=0
-    )
+    overlong_buffer: int = option(4096, "Overlong shaping: length of the penalty ramp in tokens.", ge=1, le=MAX_TOKENS)
+    overlong_penalty_factor: float = option(1.0, "Overlong shaping: penalty at (and beyond) the maximum length.", ge=0)
 
     # --- rollout correction (train/rollout mismatch) ---
     rollout_correction: Literal["none", "tis_token", "tis_seq", "tis_geo", "mis_token", "mis_seq", "mis_geo"] = option(
@@ -190,7 +182,7 @@ class AlgoConfig:
         "rollout_is_threshold both default to 2.0).",
         gt=1,
     )
-    rollout_correction_floor: Optional[float] = option(
+    rollout_correction_floor: float | None = option(
         None, "Rollout correction: MIS lower bound (None: 1 / rollout_correction_cap, verl's default).", gt=0, lt=1
     )
 
@@ -198,7 +190,9 @@ class AlgoConfig:
         if self.token_rule not in TOKEN_RULES:
             raise ConfigError(f"token_rule: unknown rule '{self.token_rule}' (known: {', '.join(sorted(TOKEN_RULES))})")
         if self.objective not in OBJECTIVES:
-            raise ConfigError(f"objective: unknown objective '{self.objective}' (known: {', '.join(sorted(OBJECTIVES))})")
+            raise ConfigError(
+                f"objective: unknown objective '{self.objective}' (known: {', '.join(sorted(OBJECTIVES))})"
+            )
         if self.clip_cov_lb >= self.clip_cov_ub:
             raise ConfigError(f"clip_cov_lb: {self.clip_cov_lb} must be below clip_cov_ub ({self.clip_cov_ub})")
         if self.objective == "gspo" and self.aggregation != "seq_mean_token_mean":

@@ -20,8 +20,6 @@ per-token m and log S, so nothing of size tokens x V/tp is kept between forward 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
@@ -179,10 +177,10 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
 def vocab_parallel_logprob_entropy(
     logits: torch.Tensor,
     targets: torch.Tensor,
-    tp_group: Optional[dist.ProcessGroup] = None,
+    tp_group: dist.ProcessGroup | None = None,
     temperature: float = 1.0,
-    chunk_size: Optional[int] = None,
-    vocab_size: Optional[int] = None,
+    chunk_size: int | None = None,
+    vocab_size: int | None = None,
     entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-prob of ``targets`` and entropy of softmax(logits / temperature).
@@ -207,8 +205,7 @@ def vocab_parallel_logprob_entropy(
         raise TypeError(f"targets: expected integer token ids, got {getattr(targets, 'dtype', type(targets))}")
     if logits.dim() < 1 or tuple(targets.shape) != tuple(logits.shape[:-1]):
         raise ValueError(
-            f"targets: shape {tuple(targets.shape)} does not match the leading shape of logits "
-            f"{tuple(logits.shape)}"
+            f"targets: shape {tuple(targets.shape)} does not match the leading shape of logits {tuple(logits.shape)}"
         )
     if targets.device != logits.device:
         raise ValueError(f"targets: on {targets.device}, logits on {logits.device}")

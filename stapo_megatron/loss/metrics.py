@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Iterable, Mapping, Optional
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ class MetricSpec:
     name: str
     reduction: Reduction
     doc: str
-    weight: Optional[str] = None  # WEIGHTED_MEAN: the name of the metric it is weighted by
+    weight: str | None = None  # WEIGHTED_MEAN: the name of the metric it is weighted by
 
 
 _DECLARED: dict[str, MetricSpec] = {}
@@ -54,12 +54,14 @@ OLD_PASS_ONLY = "; covers only the sequences the old-statistics pass ran (not th
 _TENSOR_OPS = {Reduction.SUM: dist.ReduceOp.SUM, Reduction.MAX: dist.ReduceOp.MAX, Reduction.MIN: dist.ReduceOp.MIN}
 
 
-def declare(reduction: Reduction, docs: Mapping[str, str], weight: Optional[str] = None) -> None:
+def declare(reduction: Reduction, docs: Mapping[str, str], weight: str | None = None) -> None:
     """Declare each metric of ``docs`` (name -> what it is) with ``reduction`` (and, for
     ``WEIGHTED_MEAN``, the metric ``weight`` it is weighted by). Declaring a name again with the
     same reduction and doc is a no-op; with another, an error."""
     if (reduction is Reduction.WEIGHTED_MEAN) != (weight is not None):
-        raise ValueError(f"declare: weight is needed by WEIGHTED_MEAN and only by it (got {reduction.name}, weight={weight!r})")
+        raise ValueError(
+            f"declare: weight is needed by WEIGHTED_MEAN and only by it (got {reduction.name}, weight={weight!r})"
+        )
     for name, doc in docs.items():
         spec = MetricSpec(name, reduction, doc, weight)
         known = _DECLARED.setdefault(name, spec)
@@ -72,8 +74,10 @@ def spec_of(name: str) -> MetricSpec:
     try:
         return _DECLARED[name]
     except KeyError:
-        raise KeyError(f"metric {name!r} has no declared reduction (declare it with "
-                       f"stapo_megatron.loss.metrics.declare where it is computed)") from None
+        raise KeyError(
+            f"metric {name!r} has no declared reduction (declare it with "
+            f"stapo_megatron.loss.metrics.declare where it is computed)"
+        ) from None
 
 
 def declared() -> dict[str, MetricSpec]:
@@ -84,8 +88,10 @@ def declared() -> dict[str, MetricSpec]:
 def _tensor_reduction(name: str) -> Reduction:
     reduction = spec_of(name).reduction
     if reduction not in _TENSOR_OPS:
-        raise ValueError(f"metric {name!r}: a raw metric must be a sum, max or min (form {reduction.value}s "
-                         f"after the reduction), declared {reduction.value}")
+        raise ValueError(
+            f"metric {name!r}: a raw metric must be a sum, max or min (form {reduction.value}s "
+            f"after the reduction), declared {reduction.value}"
+        )
     return reduction
 
 
@@ -109,8 +115,9 @@ def reduce_metrics(items: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, tor
 
 
 def all_reduce_metrics(
-    metrics: Mapping[str, torch.Tensor], group: Optional[dist.ProcessGroup] = None,
-    device: Optional[torch.device] = None,
+    metrics: Mapping[str, torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
 ) -> dict[str, torch.Tensor]:
     """Raw ``metrics`` reduced over the ranks of ``group`` by their declared reductions (every
     rank must hold the same keys): at most one all-reduce per kind, of one fp64 vector on
@@ -152,9 +159,10 @@ def combine_steps(rows: list[Mapping[str, float]]) -> dict[str, float]:
             out[key] = sum(values) / len(values)
         else:
             if any(spec.weight not in row for row in present):
-                raise KeyError(f"metric {key!r}: its weight {spec.weight!r} is missing from an optimizer step's metrics")
+                raise KeyError(
+                    f"metric {key!r}: its weight {spec.weight!r} is missing from an optimizer step's metrics"
+                )
             weights = [row[spec.weight] for row in present]
             total = sum(weights)
-            out[key] = (sum(v * w for v, w in zip(values, weights)) / total if total > 0
-                        else sum(values) / len(values))
+            out[key] = sum(v * w for v, w in zip(values, weights)) / total if total > 0 else sum(values) / len(values)
     return out

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
 
 import torch
 
@@ -39,13 +38,16 @@ from stapo_megatron.loss.rollout_correction import sequence_sums
 METRIC_DTYPE = torch.float64
 
 # Raw metrics of the objectives (one micro-batch; summed over micro-batches and ranks).
-declare(Reduction.SUM, {
-    "cov_candidate_tokens": "clip_cov: tokens in the loss, not clipped by the ratio, with lb < Cov < ub",
-    "cov_selected_tokens": "clip_cov / kl_cov: tokens the covariance picked (gradient detached / KL-penalised)",
-    "kl_cov_penalty_sum": "kl_cov: sum over the picked tokens of kl_cov_coef * |log r|",
-    "gspo_sequences": "gspo: sequences with a token in the loss",
-    "gspo_clipped_sequences": "gspo: sequences whose ratio s_i is clipped on the side A pushes it",
-})
+declare(
+    Reduction.SUM,
+    {
+        "cov_candidate_tokens": "clip_cov: tokens in the loss, not clipped by the ratio, with lb < Cov < ub",
+        "cov_selected_tokens": "clip_cov / kl_cov: tokens the covariance picked (gradient detached / KL-penalised)",
+        "kl_cov_penalty_sum": "kl_cov: sum over the picked tokens of kl_cov_coef * |log r|",
+        "gspo_sequences": "gspo: sequences with a token in the loss",
+        "gspo_clipped_sequences": "gspo: sequences whose ratio s_i is clipped on the side A pushes it",
+    },
+)
 
 
 @dataclasses.dataclass
@@ -58,7 +60,7 @@ class SurrogateInputs:
     eps_high: float
     clip_ratio_c: float
     log_ratio_clamp: float
-    segment_ids: Optional[torch.Tensor] = None  # each token's sequence (packed rows)
+    segment_ids: torch.Tensor | None = None  # each token's sequence (packed rows)
     cfg: object = None  # the objective's parameters (AlgoConfig fields); None: the objective has none
     seed: int = 0  # of random selections (the same on every TP rank)
 
@@ -70,7 +72,7 @@ class Surrogate:
     dual_clipped: torch.Tensor  # bool: A < 0 tokens whose term the dual-clip caps
     metrics: dict  # fp64 scalar sums (reduced by SUM over micro-batches and ranks)
     clip_range: tuple  # (eps_low, eps_high) the ratio is clipped with, for the clip metrics; (1, inf): no clip
-    selected: Optional[torch.Tensor] = None  # bool: tokens the method singled out (Clip-Cov, KL-Cov)
+    selected: torch.Tensor | None = None  # bool: tokens the method singled out (Clip-Cov, KL-Cov)
 
 
 def clipped_surrogate(ratio, advantages, eps_low, eps_high, clip_ratio_c):

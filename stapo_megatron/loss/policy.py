@@ -19,8 +19,6 @@ returns (sum over sequences of their token mean, #sequences with a kept token).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from stapo_megatron.loss.metrics import Reduction, declare
@@ -63,7 +61,7 @@ def kl_estimate(log_ratio: torch.Tensor, estimator: str) -> torch.Tensor:
     raise ValueError(f"kl_estimator: {estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
 
 
-def _check_shape(name: str, tensor: Optional[torch.Tensor], like: torch.Tensor) -> None:
+def _check_shape(name: str, tensor: torch.Tensor | None, like: torch.Tensor) -> None:
     if tensor is not None and tuple(tensor.shape) != tuple(like.shape):
         raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match logprob {tuple(like.shape)}")
 
@@ -77,20 +75,20 @@ def policy_loss(
     eps_high: float = 0.28,
     clip_ratio_c: float = 3.0,
     log_ratio_clamp: float = 20.0,
-    ref_logprob: Optional[torch.Tensor] = None,
+    ref_logprob: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
-    entropy: Optional[torch.Tensor] = None,
+    entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     aggregation: str = "token_mean",
-    response_mask: Optional[torch.Tensor] = None,
-    candidates: Optional[torch.Tensor] = None,
-    tau_h: Optional[torch.Tensor] = None,
-    rollout_logprob: Optional[torch.Tensor] = None,
+    response_mask: torch.Tensor | None = None,
+    candidates: torch.Tensor | None = None,
+    tau_h: torch.Tensor | None = None,
+    rollout_logprob: torch.Tensor | None = None,
     rollout_correction: str = "none",
     rollout_correction_cap: float = 2.0,
-    rollout_correction_floor: Optional[float] = None,
-    segment_ids: Optional[torch.Tensor] = None,
+    rollout_correction_floor: float | None = None,
+    segment_ids: torch.Tensor | None = None,
     objective: str = "ppo_clip",
     objective_cfg=None,
     objective_seed: int = 0,
@@ -116,9 +114,15 @@ def policy_loss(
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation: {aggregation!r} is not one of {', '.join(AGGREGATIONS)}")
-    for name, t in (("old_logprob", old_logprob), ("keep", keep), ("ref_logprob", ref_logprob),
-                    ("entropy", entropy), ("response_mask", response_mask), ("candidates", candidates),
-                    ("rollout_logprob", rollout_logprob)):
+    for name, t in (
+        ("old_logprob", old_logprob),
+        ("keep", keep),
+        ("ref_logprob", ref_logprob),
+        ("entropy", entropy),
+        ("response_mask", response_mask),
+        ("candidates", candidates),
+        ("rollout_logprob", rollout_logprob),
+    ):
         _check_shape(name, t, logprob)
     if kl_coef and ref_logprob is None:
         raise ValueError("ref_logprob: needed when kl_coef > 0")
@@ -137,12 +141,21 @@ def policy_loss(
     weight = keep.to(torch.float32)
     rule_kept = weight > 0
     zero = torch.zeros((), dtype=torch.float32, device=logprob.device)
-    real = rule_kept if response_mask is None else (response_mask if response_mask.dtype == torch.bool else response_mask != 0)
+    real = (
+        rule_kept
+        if response_mask is None
+        else (response_mask if response_mask.dtype == torch.bool else response_mask != 0)
+    )
     correction = None
     if rollout_correction != "none":
         correction = correction_for(
-            old_logprob, rollout_logprob, real | rule_kept, rollout_correction,
-            rollout_correction_cap, rollout_correction_floor, segment_ids,
+            old_logprob,
+            rollout_logprob,
+            real | rule_kept,
+            rollout_correction,
+            rollout_correction_cap,
+            rollout_correction_floor,
+            segment_ids,
         )
     active = rule_kept if correction is None else rule_kept & correction.accepted
 
@@ -151,10 +164,21 @@ def policy_loss(
     # ratio that would overflow exp on a kept token.
     log_ratio = torch.where(active, logprob.float() - old_logprob.float(), zero)
     log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
-    surrogate = get_objective(objective).surrogate(SurrogateInputs(
-        logprob, log_ratio, advantages, active, eps_low, eps_high, clip_ratio_c, log_ratio_clamp,
-        segment_ids, objective_cfg, objective_seed,
-    ))
+    surrogate = get_objective(objective).surrogate(
+        SurrogateInputs(
+            logprob,
+            log_ratio,
+            advantages,
+            active,
+            eps_low,
+            eps_high,
+            clip_ratio_c,
+            log_ratio_clamp,
+            segment_ids,
+            objective_cfg,
+            objective_seed,
+        )
+    )
     ratio, pg, dual_clipped = surrogate.ratio, surrogate.pg, surrogate.dual_clipped
     if correction is not None:
         pg = pg * correction.weight
@@ -184,8 +208,22 @@ def policy_loss(
 
     with torch.no_grad():
         metrics = _metrics(
-            active, rule_kept, weight, ratio, advantages, pg, log_ratio, *surrogate.clip_range, dual_clipped,
-            real, candidates, tau_h, entropy, ref_kl, logprob, correction,
+            active,
+            rule_kept,
+            weight,
+            ratio,
+            advantages,
+            pg,
+            log_ratio,
+            *surrogate.clip_range,
+            dual_clipped,
+            real,
+            candidates,
+            tau_h,
+            entropy,
+            ref_kl,
+            logprob,
+            correction,
         )
         metrics.update(surrogate.metrics)
         if aggregation == "seq_mean_token_mean":
@@ -195,34 +233,54 @@ def policy_loss(
 
 # The raw metrics of one micro-batch (:func:`_metrics`), combined over micro-batches and ranks by
 # these reductions; the update's ``summarize_loss_metrics`` forms the logged means from them.
-declare(Reduction.SUM, {
-    "response_tokens": "response tokens (with the left-out zero-advantage ones, which the update adds)",
-    "kept_tokens": "tokens in the loss: kept by the token rule and the rollout correction (the token_mean denominator)",
-    "silenced_tokens": "response tokens the token rule silenced",
-    "pg_loss_sum": "sum over kept tokens of the weighted policy-gradient term",
-    "clip_low_tokens": "kept tokens with A < 0 and ratio < 1 - eps_low (the clip removes their gradient)",
-    "clip_high_tokens": "kept tokens with A > 0 and ratio > 1 + eps_high (the clip removes their gradient)",
-    "dual_clip_tokens": "kept tokens with A < 0 whose loss the dual-clip caps",
-    "approx_kl_sum": "sum over kept tokens of k3(old || current)",
-    "ratio_sum": "sum over kept tokens of the importance ratio",
-    "candidate_tokens": "S2T candidates of the token rule",
-    "silenced_candidate_tokens": "S2T candidates the rule silenced",
-    "tau_h_sum": "sum over micro-batches with a finite entropy threshold of that threshold",
-    "tau_h_count": "micro-batches with a finite entropy threshold",
-    "entropy_kept_sum": "sum over kept tokens of the current policy's entropy",
-    "entropy_silenced_sum": "sum over silenced tokens of the current policy's entropy",
-    "ref_kl_sum": "sum over kept tokens of the KL estimate against the reference policy",
-    "rollout_rejected_tokens": "rule-kept tokens the masked rollout correction rejected",
-    "rollout_truncated_tokens": "kept tokens whose rollout-correction weight was cut at the cap",
-    "rollout_weight_sum": "sum over kept tokens of the rollout-correction weight",
-    "sequences": "sequences with a kept token (the seq_mean_token_mean denominator)",
-})
+declare(
+    Reduction.SUM,
+    {
+        "response_tokens": "response tokens (with the left-out zero-advantage ones, which the update adds)",
+        "kept_tokens": "tokens in the loss: kept by the token rule and the rollout correction (the token_mean denominator)",
+        "silenced_tokens": "response tokens the token rule silenced",
+        "pg_loss_sum": "sum over kept tokens of the weighted policy-gradient term",
+        "clip_low_tokens": "kept tokens with A < 0 and ratio < 1 - eps_low (the clip removes their gradient)",
+        "clip_high_tokens": "kept tokens with A > 0 and ratio > 1 + eps_high (the clip removes their gradient)",
+        "dual_clip_tokens": "kept tokens with A < 0 whose loss the dual-clip caps",
+        "approx_kl_sum": "sum over kept tokens of k3(old || current)",
+        "ratio_sum": "sum over kept tokens of the importance ratio",
+        "candidate_tokens": "S2T candidates of the token rule",
+        "silenced_candidate_tokens": "S2T candidates the rule silenced",
+        "tau_h_sum": "sum over micro-batches with a finite entropy threshold of that threshold",
+        "tau_h_count": "micro-batches with a finite entropy threshold",
+        "entropy_kept_sum": "sum over kept tokens of the current policy's entropy",
+        "entropy_silenced_sum": "sum over silenced tokens of the current policy's entropy",
+        "ref_kl_sum": "sum over kept tokens of the KL estimate against the reference policy",
+        "rollout_rejected_tokens": "rule-kept tokens the masked rollout correction rejected",
+        "rollout_truncated_tokens": "kept tokens whose rollout-correction weight was cut at the cap",
+        "rollout_weight_sum": "sum over kept tokens of the rollout-correction weight",
+        "sequences": "sequences with a kept token (the seq_mean_token_mean denominator)",
+    },
+)
 declare(Reduction.MAX, {"ratio_max": "largest importance ratio of a kept token (-inf: none)"})
 declare(Reduction.MIN, {"ratio_min": "smallest importance ratio of a kept token (inf: none)"})
 
 
-def _metrics(active, rule_kept, weight, ratio, advantages, pg, log_ratio, eps_low, eps_high, dual_clipped,
-             real, candidates, tau_h, entropy, ref_kl, like, correction):
+def _metrics(
+    active,
+    rule_kept,
+    weight,
+    ratio,
+    advantages,
+    pg,
+    log_ratio,
+    eps_low,
+    eps_high,
+    dual_clipped,
+    real,
+    candidates,
+    tau_h,
+    entropy,
+    ref_kl,
+    like,
+    correction,
+):
     def total(x):
         return x.to(METRIC_DTYPE).sum()
 

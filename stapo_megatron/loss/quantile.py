@@ -14,8 +14,9 @@ and it does not depend on the order of the values or on how they are split acros
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from fractions import Fraction
-from typing import Optional, Sequence, Union
+from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ def as_fraction(q: Number) -> Fraction:
     return q if isinstance(q, Fraction) else Fraction(repr(float(q)))
 
 
-def gather_values(values: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+def gather_values(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Concatenate 1-D ``values`` of every rank of ``group`` (counts may differ per rank), rank order."""
     values = values.reshape(-1)
     if group is None or dist.get_world_size(group) == 1:
@@ -49,9 +50,9 @@ def gather_values(values: torch.Tensor, group: Optional[dist.ProcessGroup] = Non
 
 
 def quantile_threshold(
-    values: Union[torch.Tensor, Sequence[torch.Tensor]],
+    values: torch.Tensor | Sequence[torch.Tensor],
     q: Number,
-    group: Optional[dist.ProcessGroup] = None,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """The threshold(q) of the module docstring over all ``values`` of all ranks of ``group``.
 

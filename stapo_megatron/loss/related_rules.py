@@ -36,8 +36,8 @@ source available to this project (no public code was found), so it is not implem
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from fractions import Fraction
-from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,7 @@ def stare_surprisal_cuts(
     stats_list: Sequence[TokenStats],
     top_fraction: float = 0.1,
     variant: str = "O1",
-    group: Optional[dist.ProcessGroup] = None,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """[c+, c-] (fp32): L+ = {A > 0, -log p >= c+}, L- = {A < 0, -log p >= c-}, each the top
     ``top_fraction`` of its sign's response tokens over all micro-batches in ``stats_list`` and all
@@ -103,7 +103,7 @@ def stare_weights(
     return weights
 
 
-def stare_gate_on(step_entropy: Optional[float], target_entropy: float) -> bool:
+def stare_gate_on(step_entropy: float | None, target_entropy: float) -> bool:
     """The closed-loop gate: reweight only while the step's mean policy entropy is below the target."""
     if step_entropy is None:
         raise ValueError(

@@ -26,7 +26,6 @@ reviewer's question is whether silencing those tokens is mismatch masking in dis
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 
@@ -51,8 +50,8 @@ def rollout_correction(
     response_mask: torch.Tensor,
     mode: str = "none",
     cap: float = 2.0,
-    floor: Optional[float] = None,
-    segment_ids: Optional[torch.Tensor] = None,
+    floor: float | None = None,
+    segment_ids: torch.Tensor | None = None,
 ) -> Correction:
     """The per-token weight and acceptance of ``mode`` (see the module docstring) for tensors of
     shape [sequences, tokens] (one sequence per row; ``response_mask`` nonzero on its response),
@@ -84,7 +83,9 @@ def rollout_correction(
                 log_w = per_sequence[segment_ids]
             else:
                 if log_w.dim() != 2:
-                    raise ValueError(f"old_logprob: {mode} needs [sequences, tokens] or segment_ids, got shape {tuple(log_w.shape)}")
+                    raise ValueError(
+                        f"old_logprob: {mode} needs [sequences, tokens] or segment_ids, got shape {tuple(log_w.shape)}"
+                    )
                 per_sequence = log_w.sum(-1, keepdim=True)
                 if mode.endswith("_geo"):
                     per_sequence = per_sequence / real.sum(-1, keepdim=True).clamp(min=1)
@@ -109,16 +110,24 @@ SETS = ("candidates", "rest")
 
 
 def _declare_mismatch(name: str, what: str) -> None:
-    declare(Reduction.SUM, {
-        f"mismatch_{name}_tokens": what,
-        f"mismatch_{name}_abs_sum": f"sum over {what} of |log pi_old - log pi_rollout|",
-        f"mismatch_{name}_far_tokens": f"{what} with |log pi_old - log pi_rollout| > {MISMATCH_THRESHOLD}",
-        f"mismatch/{name}_tokens": f"{what}, all data-parallel ranks" + OLD_PASS_ONLY,
-    })
-    declare(Reduction.WEIGHTED_MEAN, {
-        f"mismatch/{name}_abs_mean": f"mean |log pi_old - log pi_rollout| over {what} (0: none)" + OLD_PASS_ONLY,
-        f"mismatch/{name}_far_fraction": f"fraction of {what} with |delta log p| > {MISMATCH_THRESHOLD}" + OLD_PASS_ONLY,
-    }, weight=f"mismatch/{name}_tokens")
+    declare(
+        Reduction.SUM,
+        {
+            f"mismatch_{name}_tokens": what,
+            f"mismatch_{name}_abs_sum": f"sum over {what} of |log pi_old - log pi_rollout|",
+            f"mismatch_{name}_far_tokens": f"{what} with |log pi_old - log pi_rollout| > {MISMATCH_THRESHOLD}",
+            f"mismatch/{name}_tokens": f"{what}, all data-parallel ranks" + OLD_PASS_ONLY,
+        },
+    )
+    declare(
+        Reduction.WEIGHTED_MEAN,
+        {
+            f"mismatch/{name}_abs_mean": f"mean |log pi_old - log pi_rollout| over {what} (0: none)" + OLD_PASS_ONLY,
+            f"mismatch/{name}_far_fraction": f"fraction of {what} with |delta log p| > {MISMATCH_THRESHOLD}"
+            + OLD_PASS_ONLY,
+        },
+        weight=f"mismatch/{name}_tokens",
+    )
 
 
 _declare_mismatch("candidates", "S2T's candidates (A > 0, p_old < tau_p)")

@@ -19,7 +19,7 @@ first update), calls :func:`minibatch_threshold` once on every DP rank, then
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,8 +31,8 @@ from stapo_megatron.loss.token_rules import TokenStats, get_token_rule
 @dataclasses.dataclass
 class Selection:
     keep: torch.Tensor  # fp32 per-token weight, 0 on padding and silenced tokens
-    candidates: Optional[torch.Tensor]  # bool, tokens the rule may act on (None: the rule has none)
-    threshold: Optional[torch.Tensor]  # the scalar threshold used (None: the rule has none)
+    candidates: torch.Tensor | None  # bool, tokens the rule may act on (None: the rule has none)
+    threshold: torch.Tensor | None  # the scalar threshold used (None: the rule has none)
 
 
 def needs_statistics_pass(cfg) -> bool:
@@ -61,8 +61,8 @@ def zero_advantage_skippable(cfg) -> bool:
 
 
 def minibatch_threshold(
-    cfg, minibatch_stats: Sequence[TokenStats], dp_group: Optional[dist.ProcessGroup] = None
-) -> Optional[torch.Tensor]:
+    cfg, minibatch_stats: Sequence[TokenStats], dp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor | None:
     """The rule's threshold over all micro-batches of the mini-batch on all ranks of ``dp_group``.
 
     A collective on ``dp_group`` when the rule needs a quantile: call it on every DP rank (a rank
@@ -74,7 +74,7 @@ def minibatch_threshold(
     return get_token_rule(cfg.token_rule).threshold(list(minibatch_stats), cfg, dp_group)
 
 
-def select_tokens(cfg, stats: TokenStats, threshold: Optional[torch.Tensor] = None) -> Selection:
+def select_tokens(cfg, stats: TokenStats, threshold: torch.Tensor | None = None) -> Selection:
     """The keep weights of one micro-batch. ``threshold``: from :func:`minibatch_threshold` in the
     ``mini_batch`` scope (required when the rule has a quantile); ignored in the ``micro_batch``
     scope, which computes it here from ``stats`` alone."""

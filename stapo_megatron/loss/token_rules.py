@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from fractions import Fraction
-from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ class TokenStats:
     response_mask: torch.Tensor  # nonzero on real response tokens
     # Mean policy entropy over every response token of the rollout step (all data-parallel ranks,
     # old policy), for rules with an entropy gate (STARE); None where the caller has none.
-    step_entropy: Optional[float] = None
+    step_entropy: float | None = None
 
     def __post_init__(self):
         shape = tuple(self.logprob.shape)
@@ -82,7 +82,7 @@ def s2t_threshold(
     tau_p: float = 0.002,
     q: float = 0.8,
     population: str = "candidates",
-    group: Optional[dist.ProcessGroup] = None,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """tau_h: the q-threshold (see :mod:`.quantile`) of H over the population of all micro-batches
     in ``stats_list`` and all ranks of ``group``. With ``population="candidates"`` exactly the bottom
@@ -104,8 +104,8 @@ def s2t_mask(
     tau_p: float = 0.002,
     q: float = 0.8,
     population: str = "candidates",
-    group: Optional[dist.ProcessGroup] = None,
-    tau_h: Optional[float] = None,
+    group: dist.ProcessGroup | None = None,
+    tau_h: float | None = None,
 ) -> torch.Tensor:
     """STAPO's S2T keep mask (fp32, 1 keeps, 0 silences; padding is 0).
 
@@ -135,7 +135,7 @@ def high_entropy_threshold(
     entropies: Sequence[torch.Tensor],
     response_masks: Sequence[torch.Tensor],
     top_fraction: float = 0.2,
-    group: Optional[dist.ProcessGroup] = None,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """The entropy at or above which exactly ceil(top_fraction * n) of the n response tokens lie
     (distinct entropies; ties at the threshold are all kept)."""
@@ -151,7 +151,7 @@ def high_entropy_mask(
     entropy: torch.Tensor,
     response_mask: torch.Tensor,
     top_fraction: float = 0.2,
-    group: Optional[dist.ProcessGroup] = None,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Keep (fp32 1) the top ``top_fraction`` of response tokens by entropy, over ``group``; 0 elsewhere."""
     if tuple(response_mask.shape) != tuple(entropy.shape):
@@ -176,13 +176,13 @@ class TokenRule:
         """Whether ``threshold`` needs statistics of the whole scope (a quantile)."""
         return False
 
-    def threshold(self, stats_list: Sequence[TokenStats], cfg, group=None) -> Optional[torch.Tensor]:
+    def threshold(self, stats_list: Sequence[TokenStats], cfg, group=None) -> torch.Tensor | None:
         return None
 
-    def keep(self, stats: TokenStats, cfg, threshold: Optional[torch.Tensor]) -> torch.Tensor:
+    def keep(self, stats: TokenStats, cfg, threshold: torch.Tensor | None) -> torch.Tensor:
         return _real(stats.response_mask).to(torch.float32)
 
-    def candidates(self, stats: TokenStats, cfg) -> Optional[torch.Tensor]:
+    def candidates(self, stats: TokenStats, cfg) -> torch.Tensor | None:
         return None
 
     def ignores_zero_advantage(self, cfg) -> bool:

@@ -19,9 +19,7 @@ class RewardConfig:
         "normalization; free_words (the synthetic task): the response must be free words w0, w1, ... then "
         "one last word, which must equal the answer; exact and free_words need no workers",
     )
-    num_workers: int = option(
-        2, "worker processes that verify math answers; persistent across batches", ge=1, le=1024
-    )
+    num_workers: int = option(2, "worker processes that verify math answers; persistent across batches", ge=1, le=1024)
     timeout_s: float = option(
         5.0,
         "per-sample verification time limit in seconds; past it the sample gets reward 0 (reason 'timeout')",

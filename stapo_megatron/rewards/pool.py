@@ -19,9 +19,9 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Callable, Sequence
 
 from stapo_megatron.rewards.config import RewardConfig
 from stapo_megatron.rewards.extract import exact_answer, find_last_box, free_words_answer, normalize_exact
@@ -123,7 +123,7 @@ class RewardPool:
                 self._workers.append(self._spawn())
 
     @classmethod
-    def from_config(cls, cfg: RewardConfig, worker_init: Callable[[], None] | None = None) -> "RewardPool":
+    def from_config(cls, cfg: RewardConfig, worker_init: Callable[[], None] | None = None) -> RewardPool:
         return cls(
             num_workers=cfg.num_workers,
             timeout_s=cfg.timeout_s,
@@ -188,7 +188,7 @@ class RewardPool:
                 pass
         self._finalizer()
 
-    def __enter__(self) -> "RewardPool":
+    def __enter__(self) -> RewardPool:
         return self
 
     def __exit__(self, *exc) -> None:

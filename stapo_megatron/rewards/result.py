@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from collections.abc import Iterable
 
 # Every reason a response can get. Reward 1 only ever comes with "correct"; every other reason
 # gives reward 0. The order is the order of the metric keys.

@@ -22,8 +22,8 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Callable
 
 from stapo_megatron.rewards.guard import CodeEvaluationBlocked, install_code_eval_guard
 

@@ -18,7 +18,7 @@ completions) spread evenly.
 from __future__ import annotations
 
 import threading
-from typing import Collection
+from collections.abc import Collection
 
 
 class TokenBalancer:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Optional
+from typing import Literal
 
 from stapo_megatron.config.core import MAX_BATCH, MAX_SEED, MAX_TOKENS, ConfigError, check_fields, option
 from stapo_megatron.rollout.sglang_launch import KEY_ENV, key_flag_in
@@ -35,10 +35,13 @@ class SGLangConfig:
     model_path: str = option(
         "", "Hugging Face model directory or hub name the launched servers load; required unless urls are given."
     )
-    tokenizer_path: Optional[str] = option(None, "Tokenizer path passed to launched servers; None uses model_path.")
+    tokenizer_path: str | None = option(None, "Tokenizer path passed to launched servers; None uses model_path.")
     num_servers: int = option(
-        1, "Disaggregated launch: how many servers the first node launches; server i uses GPUs base_gpu_id + "
-        "i*tp_size .. (colocated placement derives the count from the GPUs per node).", ge=1, le=1024
+        1,
+        "Disaggregated launch: how many servers the first node launches; server i uses GPUs base_gpu_id + "
+        "i*tp_size .. (colocated placement derives the count from the GPUs per node).",
+        ge=1,
+        le=1024,
     )
     tp_size: int = option(1, "Tensor-parallel size of each launched server.", ge=1, le=1024)
     base_gpu_id: int = option(
@@ -50,14 +53,15 @@ class SGLangConfig:
         0.8, "Fraction of GPU memory a launched server takes for weights and KV cache.", gt=0, lt=1
     )
     dtype: str = option("auto", "Weight and activation dtype of launched servers (auto, bfloat16, float16, ...).")
-    context_length: Optional[int] = option(
+    context_length: int | None = option(
         None, "Maximum context length of launched servers; None keeps the model's.", ge=1, le=MAX_TOKENS
     )
     random_seed: int = option(
         1234, "Base random seed of launched servers; server i gets random_seed + i.", ge=0, le=MAX_SEED
     )
     load_format: str = option(
-        "", "--load-format of launched servers ('dummy' skips reading weights the trainer will send); '' = SGLang's default."
+        "",
+        "--load-format of launched servers ('dummy' skips reading weights the trainer will send); '' = SGLang's default.",
     )
     enable_weights_cpu_backup: bool = option(
         False, "Launch with --enable-weights-cpu-backup so weights survive release_memory without a reload."
@@ -76,16 +80,19 @@ class SGLangConfig:
         [], "Extra command-line arguments appended to every launch command (never an API key: see api_key)."
     )
     env: dict = option(
-        {}, "Extra environment variables for launched server processes (name -> value); secret: values are redacted "
-        "in written configs, logs and metrics.", secret=True,
+        {},
+        "Extra environment variables for launched server processes (name -> value); secret: values are redacted "
+        "in written configs, logs and metrics.",
+        secret=True,
     )
     log_dir: str = option(
-        "", "Directory for the launched servers' logs (node<k>/server-<i>.log, mode 0600); '' = <run directory>/sglang "
-        "in a run, a temporary directory for a standalone engine."
+        "",
+        "Directory for the launched servers' logs (node<k>/server-<i>.log, mode 0600); '' = <run directory>/sglang "
+        "in a run, a temporary directory for a standalone engine.",
     )
 
     # --- security ---
-    api_key: Optional[str] = option(
+    api_key: str | None = option(
         None,
         "API key the servers require (Bearer token). Launch mode generates a random per-run key when neither this nor "
         "api_key_env is set; attach mode refuses weight updates without a key. Secret: redacted in written configs, "
@@ -93,7 +100,8 @@ class SGLangConfig:
         secret=True,
     )
     api_key_env: str = option(
-        "STAPO_SGLANG_API_KEY", "Environment variable read for the API key when api_key is unset (keeps it out of configs)."
+        "STAPO_SGLANG_API_KEY",
+        "Environment variable read for the API key when api_key is unset (keeps it out of configs).",
     )
 
     # --- waiting and retrying ---
@@ -148,7 +156,8 @@ class SGLangConfig:
         "nccl", "torch.distributed backend of the weight-update group (gloo only makes sense for CPU tests)."
     )
     weight_sync_master_address: str = option(
-        "", "Address servers use to reach the trainer's weight-update store; '' = the local address that routes to them."
+        "",
+        "Address servers use to reach the trainer's weight-update store; '' = the local address that routes to them.",
     )
     weight_sync_port: int = option(0, "Port of the weight-update store; 0 picks a free one.", ge=0, le=65535)
     weight_sync_timeout_s: float = option(
@@ -170,20 +179,27 @@ class SGLangConfig:
         for name in ("server_command", "extra_args"):
             flag = key_flag_in(getattr(self, name))
             if flag:
-                raise ConfigError(f"{name}: {flag} would put the API key on a command line, readable by every local "
-                                  "user; set api_key or api_key_env instead")
+                raise ConfigError(
+                    f"{name}: {flag} would put the API key on a command line, readable by every local "
+                    "user; set api_key or api_key_env instead"
+                )
         bad_env = [k for k, v in self.env.items() if not isinstance(k, str) or not isinstance(v, str)]
         if bad_env:
             raise ConfigError(f"env: names and values must be strings (bad entry: {bad_env[0]!r})")
         if self.weight_sync == "tensor" and self.urls and not self.colocated:
-            raise ConfigError("weight_sync: tensor (CUDA IPC) needs colocated servers on the trainer's node; "
-                              "set placement: colocated")
+            raise ConfigError(
+                "weight_sync: tensor (CUDA IPC) needs colocated servers on the trainer's node; set placement: colocated"
+            )
         if self.placement == "colocated" and self.num_servers != 1:
-            raise ConfigError("num_servers: colocated placement launches one server per tp_size GPUs on every node; "
-                              "num_servers applies to disaggregated placement only")
+            raise ConfigError(
+                "num_servers: colocated placement launches one server per tp_size GPUs on every node; "
+                "num_servers applies to disaggregated placement only"
+            )
         if self.placement == "colocated" and self.base_gpu_id:
-            raise ConfigError("base_gpu_id: colocated placement runs server i of each node on GPUs i*tp_size ..; "
-                              "base_gpu_id applies to disaggregated placement only")
+            raise ConfigError(
+                "base_gpu_id: colocated placement runs server i of each node on GPUs i*tp_size ..; "
+                "base_gpu_id applies to disaggregated placement only"
+            )
 
     @property
     def colocated(self) -> bool:
@@ -210,7 +226,6 @@ class LocalEngineConfig:
     max_batch_size: int = option(256, "Most sequences decoded together in one forward pass.", ge=1, le=MAX_BATCH)
 
 
-
 @dataclasses.dataclass
 class RolloutConfig:
     """Which rollout engine the trainer and evaluator use."""
@@ -223,7 +238,9 @@ class RolloutConfig:
         "Free the engine's accelerator memory after each step's rollouts and take it back before the weight "
         "sync, so training can use it (for SGLang colocated with the trainer; needs --enable-memory-saver).",
     )
-    local: LocalEngineConfig = option(doc="Local engine settings (used when engine is local).", factory=LocalEngineConfig)
+    local: LocalEngineConfig = option(
+        doc="Local engine settings (used when engine is local).", factory=LocalEngineConfig
+    )
     sglang: SGLangConfig = option(doc="SGLang engine settings (used when engine is sglang).", factory=SGLangConfig)
 
     def __post_init__(self):

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Iterable, Literal, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Literal
 
 import torch
 
@@ -53,9 +54,7 @@ class Completion:
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
-            raise ValueError(
-                f"Completion has {len(self.token_ids)} tokens but {len(self.logprobs)} log-probs"
-            )
+            raise ValueError(f"Completion has {len(self.token_ids)} tokens but {len(self.logprobs)} log-probs")
 
 
 class RolloutEngine(abc.ABC):

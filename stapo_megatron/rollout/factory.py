@@ -35,8 +35,14 @@ def start_rollout_servers(ctx, cfg: RolloutConfig, hf_dir: str, run_dir: Path) -
     return start_job_servers(ctx, sglang_settings(cfg, hf_dir, run_dir), run_dir)
 
 
-def build_engine(cfg: RolloutConfig, arch: Qwen3Config, device: torch.device, hf_dir: str = "",
-                 run_dir: Path | None = None, servers: JobServers | None = None) -> RolloutEngine:
+def build_engine(
+    cfg: RolloutConfig,
+    arch: Qwen3Config,
+    device: torch.device,
+    hf_dir: str = "",
+    run_dir: Path | None = None,
+    servers: JobServers | None = None,
+) -> RolloutEngine:
     """The local engine on ``device``, or SGLang servers that accept exactly the names the trainer
     exports (``hf_dir`` is the servers' model path when the config names none). With ``servers``
     (from :func:`start_rollout_servers`) the engine uses the job's servers; without, it launches its

@@ -11,7 +11,7 @@ presence penalty, the same neutral settings the SGLang engine pins in every requ
 from __future__ import annotations
 
 import inspect
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -44,14 +44,18 @@ class LocalEngine(RolloutEngine):
 
         self.config = config or LocalEngineConfig()
         self.device = torch.device(device)
-        hf_config = HFQwen3Config(**{k: v for k, v in arch.to_hf_dict().items() if k not in ("architectures", "torch_dtype")})
+        hf_config = HFQwen3Config(
+            **{k: v for k, v in arch.to_hf_dict().items() if k not in ("architectures", "torch_dtype")}
+        )
         # Built with transformers' own initialisation (small models only); generate() refuses to
         # sample until load_weights has replaced every parameter.
         self.model = Qwen3ForCausalLM(hf_config).to(device=self.device, dtype=getattr(torch, self.config.dtype)).eval()
         self.model.requires_grad_(False)
         self._params = dict(self.model.named_parameters())
         self._loaded = False
-        self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self._cache_kwarg = (
+            "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        )
         self.weight_version: int | None = None
 
     # ---- weights ---------------------------------------------------------------------------
@@ -71,7 +75,9 @@ class LocalEngine(RolloutEngine):
             seen.add(name)
         missing = sorted(set(self._params) - seen)
         if missing:
-            raise ValueError(f"load_weights: {missing[0]} was not sent ({len(missing)} missing); old weights would remain")
+            raise ValueError(
+                f"load_weights: {missing[0]} was not sent ({len(missing)} missing); old weights would remain"
+            )
         self._loaded = True
         self.weight_version = version
 
@@ -104,11 +110,15 @@ class LocalEngine(RolloutEngine):
         flat = [list(p) for p in prompts for _ in range(params.n)]
         completions: list[Completion] = []
         for start in range(0, len(flat), self.config.max_batch_size):
-            completions.extend(self._generate_batch(flat[start : start + self.config.max_batch_size], params, generator))
+            completions.extend(
+                self._generate_batch(flat[start : start + self.config.max_batch_size], params, generator)
+            )
         return [completions[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
     @torch.no_grad()
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator) -> list[Completion]:
+    def _generate_batch(
+        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
+    ) -> list[Completion]:
         batch, width = len(prompts), max(len(p) for p in prompts)
         # Left padding keeps every sequence's next token in the last column.
         input_ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
@@ -126,7 +136,10 @@ class LocalEngine(RolloutEngine):
         step_ids, step_positions = input_ids, positions
         for step in range(params.max_new_tokens):
             out = self.model(
-                input_ids=step_ids, attention_mask=attention, position_ids=step_positions, use_cache=True,
+                input_ids=step_ids,
+                attention_mask=attention,
+                position_ids=step_positions,
+                use_cache=True,
                 **{self._cache_kwarg: cache},
             )
             cache = getattr(out, "cache", None) or out.past_key_values

@@ -60,8 +60,17 @@ class NodeServers:
     run); ``advertise_host`` is the address other nodes reach them at.
     """
 
-    def __init__(self, cfg: SGLangConfig, *, node: int, count: int, first_index: int, api_key: str,
-                 log_dir: Path, advertise_host: str):
+    def __init__(
+        self,
+        cfg: SGLangConfig,
+        *,
+        node: int,
+        count: int,
+        first_index: int,
+        api_key: str,
+        log_dir: Path,
+        advertise_host: str,
+    ):
         self.cfg = cfg
         self.node = node
         self.count = count
@@ -87,12 +96,19 @@ class NodeServers:
         except BaseException:
             self.shutdown()
             raise
-        self._supervisor = threading.Thread(target=self._supervise, name=f"sglang-supervisor-node{self.node}",
-                                            daemon=True)
+        self._supervisor = threading.Thread(
+            target=self._supervise, name=f"sglang-supervisor-node{self.node}", daemon=True
+        )
         self._supervisor.start()
         return [
-            ServerEndpoint(index=-1, url=url, node=self.node, tp_size=self.cfg.tp_size,
-                           gpu_ids=self._shared_gpus(i), log_path=str(process.log_path))
+            ServerEndpoint(
+                index=-1,
+                url=url,
+                node=self.node,
+                tp_size=self.cfg.tp_size,
+                gpu_ids=self._shared_gpus(i),
+                log_path=str(process.log_path),
+            )
             for i, (process, url) in enumerate(zip(self.processes, self.urls))
         ]
 
@@ -119,19 +135,32 @@ class NodeServers:
         for i in range(self.count):
             port = cfg.base_port + i if cfg.base_port else pick_port()
             taken.add(port)
-            argv, env = build_launch_command(cfg, local_index=i, global_index=self.first_index + i, port=port,
-                                             nccl_port=pick_port(), api_key=self._api_key)
+            argv, env = build_launch_command(
+                cfg,
+                local_index=i,
+                global_index=self.first_index + i,
+                port=port,
+                nccl_port=pick_port(),
+                api_key=self._api_key,
+            )
             process = ServerProcess(argv, env, self.log_dir / f"server-{i}.log")
             try:
                 process.start()
             except OSError as err:
-                raise SGLangServerError(f"cannot start sglang server {i} of node {self.node} with {argv[0]}: "
-                                        f"{err}") from None
+                raise SGLangServerError(
+                    f"cannot start sglang server {i} of node {self.node} with {argv[0]}: {err}"
+                ) from None
             self.processes.append(process)
             self.restarts.append(0)
             self.urls.append(url_for(self._advertise_host, port))
-            logger.info("sglang: node %d launched server %d (pid %d) at %s, log %s", self.node, i, process.pid,
-                        self.urls[-1], process.log_path)
+            logger.info(
+                "sglang: node %d launched server %d (pid %d) at %s, log %s",
+                self.node,
+                i,
+                process.pid,
+                self.urls[-1],
+                process.log_path,
+            )
 
     def _supervise(self) -> None:
         """Restart a server whose process exited, up to ``max_restarts`` times each. The controller
@@ -144,8 +173,15 @@ class NodeServers:
                 if self.restarts[i] >= self.cfg.max_restarts:
                     continue  # given up: the controller marks it dead when it next fails
                 self.restarts[i] += 1
-                logger.warning("sglang: node %d server %s exited with status %s; restart %d/%d (log %s)", self.node,
-                               self.urls[i], code, self.restarts[i], self.cfg.max_restarts, process.log_path)
+                logger.warning(
+                    "sglang: node %d server %s exited with status %s; restart %d/%d (log %s)",
+                    self.node,
+                    self.urls[i],
+                    code,
+                    self.restarts[i],
+                    self.cfg.max_restarts,
+                    process.log_path,
+                )
                 try:
                     process.terminate(self.cfg.shutdown_grace_s)  # reap schedulers that outlived the parent
                     process.start()
@@ -153,9 +189,16 @@ class NodeServers:
                     logger.error("sglang: restarting %s failed: %s", self.urls[i], err)
 
     def status(self) -> list[dict]:
-        return [{"url": url, "pid": process.pid, "restarts": restarts, "log_file": str(process.log_path),
-                 "running": process.returncode() is None}
-                for url, process, restarts in zip(self.urls, self.processes, self.restarts)]
+        return [
+            {
+                "url": url,
+                "pid": process.pid,
+                "restarts": restarts,
+                "log_file": str(process.log_path),
+                "running": process.returncode() is None,
+            }
+            for url, process, restarts in zip(self.urls, self.processes, self.restarts)
+        ]
 
     def shutdown(self) -> None:
         if self._closed:
@@ -202,8 +245,10 @@ def plan_node_servers(cfg: SGLangConfig, gpus_per_node: int, nodes: int) -> list
         return [0] * nodes
     if cfg.placement == "colocated":
         if gpus_per_node % cfg.tp_size:
-            raise ConfigError(f"rollout.sglang.tp_size: {cfg.tp_size} does not divide the {gpus_per_node} GPUs per "
-                              "node of colocated placement")
+            raise ConfigError(
+                f"rollout.sglang.tp_size: {cfg.tp_size} does not divide the {gpus_per_node} GPUs per "
+                "node of colocated placement"
+            )
         return [gpus_per_node // cfg.tp_size] * nodes
     return [cfg.num_servers] + [0] * (nodes - 1)
 
@@ -215,8 +260,10 @@ def advertised_host(cfg: SGLangConfig, nodes: int) -> str:
         # Listening everywhere: advertise the address on the route to the job's master.
         return local_address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1")) if nodes > 1 else connect_host(host)
     if nodes > 1 and host in LOOPBACK_HOSTS:
-        raise ConfigError(f"rollout.sglang.host: {host} is reachable only from its own node; servers of a "
-                          f"{nodes}-node job must listen on an address the controller reaches (e.g. 0.0.0.0)")
+        raise ConfigError(
+            f"rollout.sglang.host: {host} is reachable only from its own node; servers of a "
+            f"{nodes}-node job must listen on an address the controller reaches (e.g. 0.0.0.0)"
+        )
     return host
 
 
@@ -238,8 +285,15 @@ def start_job_servers(ctx, cfg: SGLangConfig, run_dir: Path) -> JobServers:
     launched: list[ServerEndpoint] | str = []
     if ctx.local_rank == 0 and counts[node]:
         log_root = Path(cfg.log_dir) if cfg.log_dir else Path(run_dir) / "sglang"
-        owned = NodeServers(cfg, node=node, count=counts[node], first_index=sum(counts[:node]), api_key=api_key,
-                            log_dir=log_root / f"node{node}", advertise_host=host)
+        owned = NodeServers(
+            cfg,
+            node=node,
+            count=counts[node],
+            first_index=sum(counts[:node]),
+            api_key=api_key,
+            log_dir=log_root / f"node{node}",
+            advertise_host=host,
+        )
         try:
             launched = owned.start()
         except (SGLangServerError, OSError) as err:

@@ -14,7 +14,8 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from stapo_megatron.rollout.balancer import TokenBalancer
 from stapo_megatron.rollout.config import SGLangConfig
@@ -117,8 +118,9 @@ class ServerPool:
                 f"sglang server {server.describe()} reports tp_size {server.tp_size}, launched with "
                 f"{server.endpoint.tp_size}"
             )
-        logger.info("sglang: %s runs SGLang %s (tp %d, dp %d)", server.url, info["version"], server.tp_size,
-                    server.dp_size)
+        logger.info(
+            "sglang: %s runs SGLang %s (tp %d, dp %d)", server.url, info["version"], server.tp_size, server.dp_size
+        )
 
     # ------------------------------------------------------------------ routing state
 
@@ -138,8 +140,9 @@ class ServerPool:
                 "call load_weights before generating"
             )
         down = [s.describe() for s in self.servers if s.down and not s.dead]
-        raise SGLangServerError(f"no sglang server answers; {down[0]} did not come back "
-                                f"within {self.config.startup_timeout_s:g}s")
+        raise SGLangServerError(
+            f"no sglang server answers; {down[0]} did not come back within {self.config.startup_timeout_s:g}s"
+        )
 
     def on_transport_failure(self, server: PooledServer, err: TransportError) -> None:
         """Count a failed request; a refused connection (nothing listens: the process is gone or
@@ -158,18 +161,24 @@ class ServerPool:
         server.down = True
         if server.recoveries >= self.config.max_restarts:
             server.dead = True
-            logger.error("sglang: server %s is dead (%s) after %d recoveries; going on without it",
-                         server.describe(), reason, server.recoveries)
+            logger.error(
+                "sglang: server %s is dead (%s) after %d recoveries; going on without it",
+                server.describe(),
+                reason,
+                server.recoveries,
+            )
         else:
-            logger.warning("sglang: server %s is down (%s); routing around it until it answers again",
-                           server.describe(), reason)
+            logger.warning(
+                "sglang: server %s is down (%s); routing around it until it answers again", server.describe(), reason
+            )
 
     def mark_stale(self, server: PooledServer, reason: str) -> None:
         with server.lock:
             if not server.stale:
                 server.stale = True
-                logger.warning("sglang: %s is kept out of rollouts until the next weight update: %s", server.url,
-                               reason)
+                logger.warning(
+                    "sglang: %s is kept out of rollouts until the next weight update: %s", server.url, reason
+                )
 
     def revive(self, *, wait: bool, weights_sent: bool) -> None:
         """Bring back down servers that answer again: a quick probe each (``wait`` false) or up to
@@ -201,16 +210,22 @@ class ServerPool:
             server.recoveries += 1
             if weights_sent:
                 server.stale = True
-        logger.warning("sglang: server %s answers again (recovery %d)%s", server.url, server.recoveries,
-                       "; it holds its launch weights until the next weight update" if weights_sent else "")
+        logger.warning(
+            "sglang: server %s answers again (recovery %d)%s",
+            server.url,
+            server.recoveries,
+            "; it holds its launch weights until the next weight update" if weights_sent else "",
+        )
 
     # ------------------------------------------------------------------ HTTP
 
-    def http(self, server: PooledServer, method: str, path: str, body: Any = None,
-             timeout: float | None = None) -> HttpResponse:
+    def http(
+        self, server: PooledServer, method: str, path: str, body: Any = None, timeout: float | None = None
+    ) -> HttpResponse:
         try:
-            return request(server.url, method, path, body, api_key=self.api_key,
-                           timeout=timeout or self.config.control_timeout_s)
+            return request(
+                server.url, method, path, body, api_key=self.api_key, timeout=timeout or self.config.control_timeout_s
+            )
         except TransportError as err:
             raise SGLangServerError(f"sglang server {server.describe()}: {err}") from None
 
@@ -248,11 +263,13 @@ def control_reply(url: str, path: str, resp: HttpResponse) -> Any:
     """A control route's answer: its JSON (None for plain text), or one line naming the server and the
     route (rejected key, HTTP error, or ``success: false``)."""
     if resp.status in (401, 403):
-        raise SGLangRequestError(f"sglang server {url} rejected the API key on {path} (HTTP {resp.status})",
-                                 status=resp.status)
+        raise SGLangRequestError(
+            f"sglang server {url} rejected the API key on {path} (HTTP {resp.status})", status=resp.status
+        )
     if resp.status != 200:
-        raise SGLangRequestError(f"sglang server {url}{path} answered HTTP {resp.status}: {error_message(resp)}",
-                                 status=resp.status)
+        raise SGLangRequestError(
+            f"sglang server {url}{path} answered HTTP {resp.status}: {error_message(resp)}", status=resp.status
+        )
     try:
         data = resp.json()
     except SGLangResponseError:

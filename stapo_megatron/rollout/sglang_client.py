@@ -10,7 +10,6 @@ import dataclasses
 import http.client
 import json
 import re
-import socket
 import urllib.parse
 from typing import Any
 
@@ -100,7 +99,7 @@ def request(
         status = resp.status
     except ConnectionRefusedError as err:
         raise TransportError(f"{where}: connection refused ({err})", kind="refused") from None
-    except (socket.timeout, TimeoutError) as err:
+    except TimeoutError as err:
         raise TransportError(f"{where}: no answer within {timeout:g}s ({err})", kind="timeout") from None
     except (ConnectionError, http.client.HTTPException, OSError) as err:
         raise TransportError(f"{where}: connection failed ({type(err).__name__}: {err})", kind="reset") from None

@@ -27,8 +27,9 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -130,10 +131,14 @@ class SGLangEngine(RolloutEngine):
         try:
             if endpoints is None:
                 api_key = resolve_api_key(config)
-                endpoints = self._launch_own(api_key) if config.launches else [
-                    ServerEndpoint(index=i, url=url.rstrip("/"), node=-1, tp_size=config.tp_size)
-                    for i, url in enumerate(config.urls)
-                ]
+                endpoints = (
+                    self._launch_own(api_key)
+                    if config.launches
+                    else [
+                        ServerEndpoint(index=i, url=url.rstrip("/"), node=-1, tp_size=config.tp_size)
+                        for i, url in enumerate(config.urls)
+                    ]
+                )
             self._api_key = api_key
             self._pool = ServerPool(config, endpoints, api_key)
             self._gen_pool = cf.ThreadPoolExecutor(
@@ -148,12 +153,21 @@ class SGLangEngine(RolloutEngine):
     def _launch_own(self, api_key: str) -> list[ServerEndpoint]:
         cfg = self.config
         log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="stapo-sglang-logs-"))
-        self._owned = NodeServers(cfg, node=0, count=cfg.num_servers, first_index=0, api_key=api_key,
-                                  log_dir=log_dir, advertise_host=connect_host(cfg.host))
+        self._owned = NodeServers(
+            cfg,
+            node=0,
+            count=cfg.num_servers,
+            first_index=0,
+            api_key=api_key,
+            log_dir=log_dir,
+            advertise_host=connect_host(cfg.host),
+        )
         self._finalizer = weakref.finalize(self, _stop_node_servers, self._owned)
         endpoints = self._owned.start()
-        return [ServerEndpoint(index=i, url=e.url, node=e.node, tp_size=e.tp_size, gpu_ids=e.gpu_ids,
-                               log_path=e.log_path) for i, e in enumerate(endpoints)]
+        return [
+            ServerEndpoint(index=i, url=e.url, node=e.node, tp_size=e.tp_size, gpu_ids=e.gpu_ids, log_path=e.log_path)
+            for i, e in enumerate(endpoints)
+        ]
 
     # ------------------------------------------------------------------ public API
 
@@ -205,9 +219,13 @@ class SGLangEngine(RolloutEngine):
             self._wait_for_a_server()
             chunks = self._generate_requests(prompts, params)
             futures = [
-                self._gen_pool.submit(self._run_generate, body, count, params.n,
-                                      sum(len(p) + params.n * params.max_new_tokens
-                                          for p in prompts[start : start + count]))
+                self._gen_pool.submit(
+                    self._run_generate,
+                    body,
+                    count,
+                    params.n,
+                    sum(len(p) + params.n * params.max_new_tokens for p in prompts[start : start + count]),
+                )
                 for start, count, body in chunks
             ]
             results: list[list[Completion] | None] = [None] * len(prompts)
@@ -284,8 +302,9 @@ class SGLangEngine(RolloutEngine):
         with self._lock:
             self._check_open()
             tags = self._memory_tags(tags)
-            self._pool.run_all(self._live(),
-                               lambda s: self._pool.control(s, "/resume_memory_occupation", {"tags": tags}))
+            self._pool.run_all(
+                self._live(), lambda s: self._pool.control(s, "/resume_memory_occupation", {"tags": tags})
+            )
             self._released -= set(tags or MEMORY_TAGS)
 
     def shutdown(self) -> None:
@@ -414,8 +433,9 @@ class SGLangEngine(RolloutEngine):
                 raise SGLangError("the SGLang engine was shut down during generate()")
             server = self._acquire(cost, tried)
             try:
-                resp = request(server.url, "POST", "/generate", body, api_key=self._api_key,
-                               timeout=self.config.request_timeout_s)
+                resp = request(
+                    server.url, "POST", "/generate", body, api_key=self._api_key, timeout=self.config.request_timeout_s
+                )
             except TransportError as err:
                 last_error = str(err)
                 tried.add(server.index)
@@ -472,7 +492,9 @@ class SGLangEngine(RolloutEngine):
                     f"(set sglang.api_key or ${self.config.api_key_env}), so the update routes would be open"
                 )
             if "weights" in self._released:
-                raise SGLangWeightSyncError("weights are released on the servers; call resume_memory(['weights']) first")
+                raise SGLangWeightSyncError(
+                    "weights are released on the servers; call resume_memory(['weights']) first"
+                )
             # Every server that can come back gets the weights: a down one is waited for.
             self._pool.run_all([s for s in self._servers if not (s.down or s.dead)], self._probe)
             self._pool.revive(wait=True, weights_sent=self._weights_loaded)
@@ -489,12 +511,19 @@ class SGLangEngine(RolloutEngine):
             # tp_size as the server reports it (attached servers: the config may not know it).
             endpoints = tuple(dataclasses.replace(s.endpoint, tp_size=s.tp_size) for s in servers)
             return WeightSyncPlan(
-                mode=self._sync_mode, endpoints=endpoints, expected_names=self._expected,
-                api_key=self._api_key, session_servers=frozenset(s.index for s in servers if s.version >= SESSION_VERSION),
-                bucket_bytes=cfg.weight_bucket_bytes, control_timeout_s=cfg.control_timeout_s,
-                transfer_timeout_s=cfg.weight_sync_timeout_s, flush_timeout_s=cfg.flush_timeout_s,
-                group_backend=cfg.weight_sync_backend, master_address=cfg.weight_sync_master_address,
-                disk_dir=disk_dir or cfg.disk_sync_dir, config_from=cfg.model_path,
+                mode=self._sync_mode,
+                endpoints=endpoints,
+                expected_names=self._expected,
+                api_key=self._api_key,
+                session_servers=frozenset(s.index for s in servers if s.version >= SESSION_VERSION),
+                bucket_bytes=cfg.weight_bucket_bytes,
+                control_timeout_s=cfg.control_timeout_s,
+                transfer_timeout_s=cfg.weight_sync_timeout_s,
+                flush_timeout_s=cfg.flush_timeout_s,
+                group_backend=cfg.weight_sync_backend,
+                master_address=cfg.weight_sync_master_address,
+                disk_dir=disk_dir or cfg.disk_sync_dir,
+                config_from=cfg.model_path,
                 server_restarts=sum(s.recoveries for s in self._servers),
             )
 
@@ -522,8 +551,9 @@ class SGLangEngine(RolloutEngine):
         return list(tags)
 
 
-def _parse_generate(data: Any, num_prompts: int, n: int, url: str,
-                    weight_version: str | None = None) -> list[list[Completion]]:
+def _parse_generate(
+    data: Any, num_prompts: int, n: int, url: str, weight_version: str | None = None
+) -> list[list[Completion]]:
     """SGLang's /generate answer (one dict, or a flat list of num_prompts*n grouped by prompt) -> completions.
 
     With ``weight_version``, every sample must report it in ``meta_info.weight_version``."""

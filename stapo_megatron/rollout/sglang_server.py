@@ -14,8 +14,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from stapo_megatron.rollout.config import SGLangConfig
 from stapo_megatron.rollout.sglang_client import SGLangServerError, TransportError, request
@@ -39,16 +39,25 @@ def build_launch_command(
     """
     argv = list(cfg.server_command) or default_server_command()
     argv += [
-        "--model-path", cfg.model_path,
-        "--host", cfg.host,
-        "--port", str(port),
-        "--tp-size", str(cfg.tp_size),
-        "--base-gpu-id", str(cfg.base_gpu_id + local_index * cfg.tp_size),
-        "--mem-fraction-static", repr(cfg.mem_fraction_static),
-        "--random-seed", str(cfg.random_seed + global_index),
-        "--dtype", cfg.dtype,
+        "--model-path",
+        cfg.model_path,
+        "--host",
+        cfg.host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(cfg.tp_size),
+        "--base-gpu-id",
+        str(cfg.base_gpu_id + local_index * cfg.tp_size),
+        "--mem-fraction-static",
+        repr(cfg.mem_fraction_static),
+        "--random-seed",
+        str(cfg.random_seed + global_index),
+        "--dtype",
+        cfg.dtype,
         # Fixed per server so that servers starting at the same moment cannot pick the same NCCL port.
-        "--nccl-port", str(nccl_port),
+        "--nccl-port",
+        str(nccl_port),
         # The trainer sends token ids and reads token ids: the server's tokenizer is never needed.
         "--skip-tokenizer-init",
     ]

@@ -8,8 +8,8 @@ import json
 import os
 import shutil
 import socket
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -117,9 +117,7 @@ class WeightUpdateGroup:
         self.backend = backend
         self.master_address = master_address
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(
-            master_address, port, world_size, True, self.timeout, wait_for_workers=False
-        )
+        self.store = dist.TCPStore(master_address, port, world_size, True, self.timeout, wait_for_workers=False)
         self.port = self.store.port
         self.pg = None
 
@@ -170,8 +168,11 @@ def write_bucket_file(path: Path, named_tensors: NamedTensors) -> None:
     from safetensors.torch import save_file
 
     # clone(): safetensors refuses tensors that share storage (views of one flat bucket, tied embeddings).
-    save_file({name: t.detach().to("cpu").clone().contiguous() for name, t in named_tensors}, str(path),
-              metadata={"format": "pt"})
+    save_file(
+        {name: t.detach().to("cpu").clone().contiguous() for name, t in named_tensors},
+        str(path),
+        metadata={"format": "pt"},
+    )
 
 
 def publish_checkpoint(staging: Path, weight_map: dict[str, str], total_bytes: int, *, config_from: str | None) -> Path:

@@ -30,11 +30,12 @@ import logging
 import os
 import queue
 import secrets
-import threading
 import shutil
+import threading
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -157,7 +158,9 @@ def name_problems(expected: frozenset[str], names: Iterable[str]) -> str:
     return "; ".join(problems)
 
 
-def check_tallies(expected: frozenset[str], tallies: Sequence[dict[int, list[str]]], servers: Sequence[ServerEndpoint]) -> None:
+def check_tallies(
+    expected: frozenset[str], tallies: Sequence[dict[int, list[str]]], servers: Sequence[ServerEndpoint]
+) -> None:
     """Every server received every expected name exactly once (over all ranks), nothing else: or one line."""
     for server in servers:
         problems = name_problems(expected, (name for tally in tallies for name in tally.get(server.index, ())))
@@ -212,8 +215,14 @@ class ServerControl:
 
     def post(self, server: ServerEndpoint, path: str, body: Any = None, timeout: float | None = None) -> Any:
         try:
-            resp = request(server.url, "POST", path, {} if body is None else body, api_key=self.plan.api_key,
-                           timeout=timeout or self.plan.control_timeout_s)
+            resp = request(
+                server.url,
+                "POST",
+                path,
+                {} if body is None else body,
+                api_key=self.plan.api_key,
+                timeout=timeout or self.plan.control_timeout_s,
+            )
         except TransportError as err:
             raise SGLangServerError(f"sglang server {server.url}: {err}") from None
         return control_reply(server.url, path, resp)
@@ -305,15 +314,28 @@ class DistributedSender:
                 continue
             address = plan.master_address or local_address_towards(split_url(server.url)[1])
             group = WeightUpdateGroup(
-                master_address=address, port=0, world_size=1 + server.tp_size, backend=plan.group_backend,
-                timeout_s=plan.transfer_timeout_s, name=f"stapo-weights-r{self.rank}-s{server.index}-{secrets.token_hex(4)}",
+                master_address=address,
+                port=0,
+                world_size=1 + server.tp_size,
+                backend=plan.group_backend,
+                timeout_s=plan.transfer_timeout_s,
+                name=f"stapo-weights-r{self.rank}-s{server.index}-{secrets.token_hex(4)}",
             )
-            body = {"master_address": address, "master_port": group.port, "rank_offset": 1,
-                    "world_size": 1 + server.tp_size, "group_name": group.name, "backend": plan.group_backend}
+            body = {
+                "master_address": address,
+                "master_port": group.port,
+                "rank_offset": 1,
+                "world_size": 1 + server.tp_size,
+                "group_name": group.name,
+                "backend": plan.group_backend,
+            }
             # The init call blocks until every member joined: join while it is in flight.
-            futures = [self.control.pool.submit(self.control.post, server, "/init_weights_update_group", body,
-                                                plan.transfer_timeout_s),
-                       self.control.pool.submit(group.join)]
+            futures = [
+                self.control.pool.submit(
+                    self.control.post, server, "/init_weights_update_group", body, plan.transfer_timeout_s
+                ),
+                self.control.pool.submit(group.join),
+            ]
             try:
                 await_transfer(futures, [], plan.transfer_timeout_s, f"joining weight-update group {group.name}")
             except BaseException:
@@ -323,17 +345,32 @@ class DistributedSender:
 
     def send(self, servers: Sequence[ServerEndpoint], bucket: FlatBucket, session: UpdateSession) -> None:
         plan = self.control.plan
-        named = [(name, self.groups[servers[0].index].prepare(t)) for name, t in bucket.named_tensors()] if servers else []
-        body_base = {"names": [n for n, _ in named], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
-                     "shapes": [list(t.shape) for _, t in named], "flush_cache": False}
+        named = (
+            [(name, self.groups[servers[0].index].prepare(t)) for name, t in bucket.named_tensors()] if servers else []
+        )
+        body_base = {
+            "names": [n for n, _ in named],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
+            "shapes": [list(t.shape) for _, t in named],
+            "flush_cache": False,
+        }
         futures, works = [], []
         for server in servers:
             group = self.groups[server.index]
-            futures.append(self.control.pool.submit(self.control.post, server, "/update_weights_from_distributed",
-                                                    {**body_base, "group_name": group.name}, plan.transfer_timeout_s))
+            futures.append(
+                self.control.pool.submit(
+                    self.control.post,
+                    server,
+                    "/update_weights_from_distributed",
+                    {**body_base, "group_name": group.name},
+                    plan.transfer_timeout_s,
+                )
+            )
             # The server posts one receive per name, in order: match that order.
             works.extend(group.broadcast([t for _, t in named]))
-        await_transfer(futures, works, plan.transfer_timeout_s, f"weight bucket {bucket.layout.index} of rank {self.rank}")
+        await_transfer(
+            futures, works, plan.transfer_timeout_s, f"weight bucket {bucket.layout.index} of rank {self.rank}"
+        )
         for server in servers:
             session.confirm(server.index, bucket.layout.names)
 
@@ -371,8 +408,9 @@ class DiskSender:
 # ---- one process's stream -------------------------------------------------------------------------
 
 
-def pack_stream(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-                device: torch.device) -> Iterator[FlatBucket]:
+def pack_stream(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, device: torch.device
+) -> Iterator[FlatBucket]:
     """A stream of (Hugging Face name, full tensor) pairs, in order, as flat buckets on ``device`` of at
     most ``bucket_bytes`` (a bigger tensor goes alone), each built as the stream reaches it."""
     pending: list[tuple[str, torch.Tensor]] = []
@@ -416,8 +454,14 @@ class WeightSync:
     holds the whole model; it sends to every server (:meth:`push`).
     """
 
-    def __init__(self, ctx, plan: WeightSyncPlan, *, ranks_per_node: int | None = None,
-                 serializer: TensorSerializer | None = None):
+    def __init__(
+        self,
+        ctx,
+        plan: WeightSyncPlan,
+        *,
+        ranks_per_node: int | None = None,
+        serializer: TensorSerializer | None = None,
+    ):
         self.ctx = ctx
         self.plan = plan
         self.rank = CONTROLLER if ctx is None else ctx.rank
@@ -429,7 +473,9 @@ class WeightSync:
             places: list[RankPlace | None] = [None] * ctx.world_size
             dist.all_gather_object(places, me, group=ctx.cpu_group)
             self.targets = route(plan, places, me)
-        self._pool = cf.ThreadPoolExecutor(max_workers=2 * len(plan.endpoints) + 2, thread_name_prefix="stapo-weight-sync")
+        self._pool = cf.ThreadPoolExecutor(
+            max_workers=2 * len(plan.endpoints) + 2, thread_name_prefix="stapo-weight-sync"
+        )
         self.control = ServerControl(plan, self._pool)
         if plan.mode == "tensor":
             self.sender: TensorSender | DistributedSender | DiskSender = TensorSender(self.control, serializer)
@@ -446,8 +492,14 @@ class WeightSync:
         names = rank_export_names(model, arch, ctx.tp_size, ctx.tp_rank)
         self._update(names, lambda: iter_rank_buckets(model, arch, ctx, bucket_bytes=self.plan.bucket_bytes), version)
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
-             names: Sequence[str] | None = None, device: torch.device = torch.device("cpu")) -> None:
+    def push(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        names: Sequence[str] | None = None,
+        device: torch.device = torch.device("cpu"),
+    ) -> None:
         """One process (``ctx=None``): the whole model as a stream of (HF name, full tensor) pairs, packed
         into buckets on ``device``, to every server. ``names``, when the stream's names are known up
         front, are checked before any server is touched; otherwise they are checked as they arrived."""
@@ -506,7 +558,9 @@ class WeightSync:
             staging = Path(plan.disk_dir) / f".weights-{version}-{secrets.token_hex(4)}.partial"
             staging.mkdir(parents=True)
             return str(staging)
-        control.on_all([s for s in servers if s.index in plan.session_servers], control.post, "/begin_weight_update", {})
+        control.on_all(
+            [s for s in servers if s.index in plan.session_servers], control.post, "/begin_weight_update", {}
+        )
         return True
 
     def _finish(self, reports: list, version: int, go: Any) -> Refusal | None:
@@ -532,8 +586,12 @@ class WeightSync:
             else:
                 check_tallies(plan.expected_names, [received for received, _, _ in reports], servers)
                 self._end_sessions()
-                control.on_all(servers, control.post, "/update_weight_version",
-                               {"new_version": str(version), "abort_all_requests": False})
+                control.on_all(
+                    servers,
+                    control.post,
+                    "/update_weight_version",
+                    {"new_version": str(version), "abort_all_requests": False},
+                )
         except (SGLangError, ConfigError) as err:
             if plan.mode == "disk":
                 shutil.rmtree(go, ignore_errors=True)
@@ -568,7 +626,11 @@ _HEADER_TAG, _PAYLOAD_TAG = 1, 2
 
 
 def gather_to_controller(
-    ctx, model: torch.nn.Module, arch, consume: Callable[[Iterable[tuple[str, torch.Tensor]]], None], *,
+    ctx,
+    model: torch.nn.Module,
+    arch,
+    consume: Callable[[Iterable[tuple[str, torch.Tensor]]], None],
+    *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> None:
     """Feed an engine that lives in the controller's process (the local engine) with every rank's
@@ -581,7 +643,9 @@ def gather_to_controller(
     sends = ctx.dp_rank == 0 and ctx.cp_rank == 0  # the other replicas hold the same weights
     layouts = []
     if sends:
-        layouts = [layout for layout, _ in plan_buckets(stage_export_plan(model, arch, ctx.tp_size), ctx.tp_rank, bucket_bytes)]
+        layouts = [
+            layout for layout, _ in plan_buckets(stage_export_plan(model, arch, ctx.tp_size), ctx.tp_rank, bucket_bytes)
+        ]
     gathered = [None] * ctx.world_size if ctx.rank == CONTROLLER else None
     dist.gather_object((ctx.rank, layouts), gathered, dst=CONTROLLER, group=ctx.cpu_group)
     if not sends:
@@ -642,7 +706,9 @@ def _controller_stream(ctx, own: Iterator[FlatBucket], remote: dict[int, list]) 
         thread.join()
 
 
-def sync_engine_weights(ctx, model: torch.nn.Module, arch, engine, version: int, sync: WeightSync | None) -> WeightSync | None:
+def sync_engine_weights(
+    ctx, model: torch.nn.Module, arch, engine, version: int, sync: WeightSync | None
+) -> WeightSync | None:
     """The trainer's weight sync, collective on every rank; ``engine`` is the controller's (None elsewhere).
 
     SGLang servers: every rank pushes its own share (:class:`WeightSync`, kept and returned for the

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.abc
-import logging
 import importlib.machinery
+import logging
 import sys
 import types
 
@@ -34,9 +34,26 @@ import torch
 _CPU = torch.device("cpu")
 _FACTORIES = frozenset(
     {
-        "arange", "as_tensor", "empty", "empty_like", "empty_strided", "eye", "full", "full_like",
-        "linspace", "ones", "ones_like", "rand", "rand_like", "randint", "randn", "randn_like",
-        "randperm", "tensor", "zeros", "zeros_like",
+        "arange",
+        "as_tensor",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "eye",
+        "full",
+        "full_like",
+        "linspace",
+        "ones",
+        "ones_like",
+        "rand",
+        "rand_like",
+        "randint",
+        "randn",
+        "randn_like",
+        "randperm",
+        "tensor",
+        "zeros",
+        "zeros_like",
     }
 )
 _installed = False
@@ -104,9 +121,7 @@ def _build_cuda_view() -> types.SimpleNamespace:
     def manual_seed(seed):
         torch.manual_seed(seed)
 
-    random = types.SimpleNamespace(
-        get_rng_state=get_rng_state, set_rng_state=set_rng_state, manual_seed=manual_seed
-    )
+    random = types.SimpleNamespace(get_rng_state=get_rng_state, set_rng_state=set_rng_state, manual_seed=manual_seed)
     view = types.SimpleNamespace(
         is_available=lambda: False,
         device_count=lambda: 0,

@@ -70,7 +70,11 @@ def watch_launcher(pid: int, interval: float = 1.0) -> None:
             launcher = None
         while launcher is not None and alive(launcher):
             time.sleep(interval)
-        print(f"[stapo] the launcher (pid {pid}) is gone; ending rank {os.environ.get('RANK', '?')}", file=sys.stderr, flush=True)
+        print(
+            f"[stapo] the launcher (pid {pid}) is gone; ending rank {os.environ.get('RANK', '?')}",
+            file=sys.stderr,
+            flush=True,
+        )
         kill_tree(os.getpid(), timeout=5.0, include_root=False)
         os._exit(1)
 
@@ -88,8 +92,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 def _rank_entry(rank, fn, world_size, port, env, errors, args):
     os.environ.update(env)
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     try:
         fn(*args)

@@ -49,8 +49,14 @@ class LockHolder:
 
     @classmethod
     def me(cls) -> LockHolder:
-        return cls(socket.gethostname(), os.getpid(), time.time(), uuid.uuid4().hex,
-                   os.environ.get("SLURM_JOB_ID", ""), int(os.environ.get("SLURM_RESTART_COUNT", "0")))
+        return cls(
+            socket.gethostname(),
+            os.getpid(),
+            time.time(),
+            uuid.uuid4().hex,
+            os.environ.get("SLURM_JOB_ID", ""),
+            int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+        )
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
@@ -129,8 +135,12 @@ class RunLock:
                         raise ConfigError(
                             f"{run_dir}: in use by another run ({who}); wait for it to end or choose another run.output_dir"
                         ) from None
-                    print(f"[stapo] {run_dir}: taking over the lock of a run that is gone "
-                          f"({holder.describe() if holder else 'holder unknown'}: {reason})", file=sys.stderr, flush=True)
+                    print(
+                        f"[stapo] {run_dir}: taking over the lock of a run that is gone "
+                        f"({holder.describe() if holder else 'holder unknown'}: {reason})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     path.unlink(missing_ok=True)
                     continue
                 with os.fdopen(fd, "w", encoding="utf-8") as f:

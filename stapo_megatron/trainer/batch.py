@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from typing import Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ class RolloutBatch:
     def __len__(self) -> int:
         return len(self.response_ids)
 
-    def select(self, indices: Sequence[int]) -> "RolloutBatch":
+    def select(self, indices: Sequence[int]) -> RolloutBatch:
         index = torch.as_tensor(list(indices), dtype=torch.long)
         return RolloutBatch(
             prompt_ids=[self.prompt_ids[i] for i in indices],
@@ -78,7 +78,9 @@ def pack_rollouts(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torc
     logprobs = _flat(batch.rollout_logprobs, torch.float32)
     if logprobs.numel() != responses.numel():
         raise ValueError(f"rollout_logprobs: {logprobs.numel()} values for {responses.numel()} response tokens")
-    integers = torch.cat([prompt_lengths, response_lengths, prompts, responses, batch.group_ids.long(), batch.truncated.long()])
+    integers = torch.cat(
+        [prompt_lengths, response_lengths, prompts, responses, batch.group_ids.long(), batch.truncated.long()]
+    )
     floats = torch.cat([logprobs, batch.rewards.float(), batch.correct.float(), batch.advantages.float()])
     sizes = torch.tensor([len(batch), prompts.numel(), responses.numel()], dtype=torch.long)
     return sizes, integers, floats
@@ -140,7 +142,9 @@ def model_tokens(batch: RolloutBatch, index: int) -> int:
     return max(1, len(batch.prompt_ids[index]) + len(batch.response_ids[index]) - 1)
 
 
-def balance_over_ranks(sequences: Sequence[int], lengths: Mapping[int, int] | Sequence[int], world: int) -> list[list[int]]:
+def balance_over_ranks(
+    sequences: Sequence[int], lengths: Mapping[int, int] | Sequence[int], world: int
+) -> list[list[int]]:
     """``sequences`` split over ``world`` data-parallel ranks with near-equal token sums: longest
     first, each to the rank with the fewest tokens so far (LPT; ties to the lower rank), so the
     largest sum exceeds the mean by less than one sequence. Deterministic, so every rank computes
@@ -162,7 +166,9 @@ def token_imbalance(parts: Sequence[Sequence[int]], lengths: Mapping[int, int] |
     return (max(sums) - mean) / mean if mean > 0 else 0.0
 
 
-def pack_by_budget(sequences: Sequence[int], lengths: Mapping[int, int] | Sequence[int], budget: int) -> list[list[int]]:
+def pack_by_budget(
+    sequences: Sequence[int], lengths: Mapping[int, int] | Sequence[int], budget: int
+) -> list[list[int]]:
     """``sequences`` in as few bins of at most ``budget`` tokens as first-fit decreasing finds
     (at most 11/9 of the optimum + 1). A sequence longer than the budget is an error, never cut."""
     bins: list[list[int]] = []
@@ -226,7 +232,7 @@ def make_microbatches(
     device: torch.device,
     *,
     packed: bool = True,
-    slots: Optional[TokenSlots] = None,
+    slots: TokenSlots | None = None,
     pad_to_multiple: int = 1,
 ) -> list[dict]:
     """One micro-batch per bin of sequence indices (a bin may be empty: one padding token, so a
@@ -237,8 +243,12 @@ def make_microbatches(
     is tested and benchmarked against). ``slots``: adds ``token_index`` for :class:`TokenSlots`.
     Every tensor is ``[rows, T]`` on ``device`` except ``sequence_index`` (CPU, ``[n]``).
     """
-    return [_packed(batch, list(b), device, slots, pad_to_multiple) if packed else _padded(batch, list(b), device, slots, pad_to_multiple)
-            for b in (bins or [[]])]
+    return [
+        _packed(batch, list(b), device, slots, pad_to_multiple)
+        if packed
+        else _padded(batch, list(b), device, slots, pad_to_multiple)
+        for b in (bins or [[]])
+    ]
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -280,7 +290,9 @@ def _packed(batch, chunk, device, slots, pad_to_multiple) -> dict:
 
 
 def _padded(batch, chunk, device, slots, pad_to_multiple) -> dict:
-    parts = [_sequence_tensors(batch, i) for i in chunk] or [(torch.zeros(1, dtype=torch.long),) * 2 + (torch.zeros(1),) * 3]
+    parts = [_sequence_tensors(batch, i) for i in chunk] or [
+        (torch.zeros(1, dtype=torch.long),) * 2 + (torch.zeros(1),) * 3
+    ]
     width = _round_up(max(p[0].numel() for p in parts), pad_to_multiple)
     rows = len(parts)
     names = ("input_ids", "labels", "response_mask", "advantages", "rollout_logprobs")

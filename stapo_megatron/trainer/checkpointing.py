@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from stapo_megatron.checkpoint.convert import META_KEY, MODEL_KEY, checkpoint_meta, unwrap
 from stapo_megatron.checkpoint.dist import COMPLETE_MARKER, load_dist, save_dist, staging_dir
 from stapo_megatron.runtime import rng
-from stapo_megatron.runtime.run_files import NoSpaceError, atomic_open, is_no_space, reporting_no_space
 from stapo_megatron.runtime.distributed import ParallelContext
+from stapo_megatron.runtime.run_files import NoSpaceError, atomic_open, is_no_space, reporting_no_space
 
 LATEST_FILE = "latest.txt"
 HISTORY_FILE = "history.json"
@@ -93,7 +93,9 @@ class Checkpointer:
             self._verified = directory
             return directory
         if skipped:
-            raise ConfigError(f"{self.root}: no intact checkpoint to resume from ({len(skipped)} damaged; newest {skipped[0]})")
+            raise ConfigError(
+                f"{self.root}: no intact checkpoint to resume from ({len(skipped)} damaged; newest {skipped[0]})"
+            )
         return None
 
     def save(self, step: int, model, optimizer, scheduler, progress: dict, arch, params_dtype, assets=None) -> Path:

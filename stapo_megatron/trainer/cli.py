@@ -14,8 +14,15 @@ def run_plot(args) -> None:
 def run_inspect(args) -> None:
     from stapo_megatron.trainer.inspector import summarize
 
-    print(summarize(args.run_dir, top=args.top, examples=args.examples, per_step_top=args.per_step_top,
-                    max_step_rows=args.step_rows))
+    print(
+        summarize(
+            args.run_dir,
+            top=args.top,
+            examples=args.examples,
+            per_step_top=args.per_step_top,
+            max_step_rows=args.step_rows,
+        )
+    )
 
 
 def positive_int(text: str) -> int:
@@ -27,7 +34,9 @@ def positive_int(text: str) -> int:
 
 
 def register(subparsers) -> None:
-    plot = subparsers.add_parser("plot", help="PNG curves of one or more runs (reward, entropy, masked fraction, length)")
+    plot = subparsers.add_parser(
+        "plot", help="PNG curves of one or more runs (reward, entropy, masked fraction, length)"
+    )
     plot.add_argument("run_dirs", nargs="+", help="run directories (with metrics.jsonl)")
     plot.add_argument("--out", default=None, help="PNG to write (default: <first run>/curves.png)")
     plot.add_argument("--window", type=int, default=10, help="moving-average window in steps")
@@ -36,8 +45,16 @@ def register(subparsers) -> None:
     inspect.add_argument("run_dir")
     inspect.add_argument("--top", type=int, default=20, help="tokens to list")
     inspect.add_argument("--examples", type=int, default=3, help="example contexts per token")
-    inspect.add_argument("--per-step-top", type=positive_int, default=5,
-                         help="tokens listed per row of the per-step comparison with the paper's token classes")
-    inspect.add_argument("--step-rows", type=positive_int, default=20,
-                         help="most rows of the per-step comparison; more dumps are grouped into step ranges")
+    inspect.add_argument(
+        "--per-step-top",
+        type=positive_int,
+        default=5,
+        help="tokens listed per row of the per-step comparison with the paper's token classes",
+    )
+    inspect.add_argument(
+        "--step-rows",
+        type=positive_int,
+        default=20,
+        help="most rows of the per-step comparison; more dumps are grouped into step ranges",
+    )
     inspect.set_defaults(func=run_inspect)

@@ -28,8 +28,10 @@ class RunConfig:
     )
     seed: int = option(1234, "Seed of model initialisation, sampling and Megatron's RNG tracker.", ge=0, le=MAX_SEED)
     hang_timeout_s: float = option(
-        1200.0, "A rank that makes no progress (no phase of a step starts, no checkpoint completes) for this long "
-        "ends the run with exit code 75, naming the phase and step; below parallel.timeout_minutes.", gt=0
+        1200.0,
+        "A rank that makes no progress (no phase of a step starts, no checkpoint completes) for this long "
+        "ends the run with exit code 75, naming the phase and step; below parallel.timeout_minutes.",
+        gt=0,
     )
 
     def __post_init__(self):
@@ -97,7 +99,9 @@ class BatchConfig:
 
     def __post_init__(self):
         if self.group_size < 2:
-            raise ConfigError(f"group_size: group-relative advantages need at least 2 responses per prompt, got {self.group_size}")
+            raise ConfigError(
+                f"group_size: group-relative advantages need at least 2 responses per prompt, got {self.group_size}"
+            )
         if self.prompts_per_step % self.prompts_per_minibatch:
             raise ConfigError(
                 f"prompts_per_minibatch: {self.prompts_per_minibatch} does not divide prompts_per_step {self.prompts_per_step}"
@@ -155,7 +159,9 @@ class OptimConfig:
     beta2: float = option(0.999, "AdamW beta2.", ge=0, lt=1)
     eps: float = option(1e-8, "AdamW epsilon.", gt=0, le=1)
     clip_grad: float = option(1.0, "Global gradient-norm clipping threshold (0: off).", ge=0)
-    distributed: bool = option(True, "Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer).")
+    distributed: bool = option(
+        True, "Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer)."
+    )
 
     def __post_init__(self):
         if self.min_lr > self.lr:
@@ -171,10 +177,15 @@ class CheckpointConfig:
         3, "Complete checkpoints kept; older ones are deleted once a newer one is whole.", ge=1, le=10_000
     )
     resume: Literal["auto", "never", "required"] = option(
-        "auto", "auto: continue from the run's latest complete checkpoint when there is one; required: fail without one."
+        "auto",
+        "auto: continue from the run's latest complete checkpoint when there is one; required: fail without one.",
     )
-    load_hf: str = option("", "Start from this Hugging Face Qwen3 directory (converted on the fly, each rank reading its shards).")
-    load_megatron: str = option("", "Start from this Megatron checkpoint (written by stapo convert or a previous run; any TP/PP).")
+    load_hf: str = option(
+        "", "Start from this Hugging Face Qwen3 directory (converted on the fly, each rank reading its shards)."
+    )
+    load_megatron: str = option(
+        "", "Start from this Megatron checkpoint (written by stapo convert or a previous run; any TP/PP)."
+    )
 
     def __post_init__(self):
         if self.load_hf and self.load_megatron:
@@ -208,15 +219,21 @@ class FaultConfig:
 @dataclasses.dataclass
 class TrainConfig:
     run: RunConfig = option(doc="Name, output directory, length and seed of the run.", factory=RunConfig)
-    model: Qwen3Config = option(doc="Qwen3 architecture (a preset name such as qwen3_8b, or the fields).", factory=Qwen3Config)
-    tokenizer: str = option("", "Hugging Face tokenizer directory; '' : the load_hf directory (the synthetic task has its own).")
+    model: Qwen3Config = option(
+        doc="Qwen3 architecture (a preset name such as qwen3_8b, or the fields).", factory=Qwen3Config
+    )
+    tokenizer: str = option(
+        "", "Hugging Face tokenizer directory; '' : the load_hf directory (the synthetic task has its own)."
+    )
     parallel: ParallelConfig = option(doc="Tensor, pipeline, context and data parallel sizes.", factory=ParallelConfig)
     compute: ComputeConfig = option(doc="Precision, recomputation and log-prob chunking.", factory=ComputeConfig)
     data: DataConfig = option(doc="Training prompts.", factory=DataConfig)
     reward: RewardConfig = option(doc="How responses are scored.", factory=RewardConfig)
     rollout: RolloutConfig = option(doc="The rollout engine.", factory=RolloutConfig)
     batch: BatchConfig = option(doc="Rollout and optimizer batch sizes, sampling settings.", factory=BatchConfig)
-    algo: AlgoConfig = option(doc="The RL algorithm (a preset: stapo, grpo, dapo, entropy20, justrl, grpo_kl).", factory=AlgoConfig)
+    algo: AlgoConfig = option(
+        doc="The RL algorithm (a preset: stapo, grpo, dapo, entropy20, justrl, grpo_kl).", factory=AlgoConfig
+    )
     optim: OptimConfig = option(doc="AdamW, schedule and clipping.", factory=OptimConfig)
     checkpoint: CheckpointConfig = option(doc="Saving, resuming and initial weights.", factory=CheckpointConfig)
     logging: LoggingConfig = option(doc="Metrics sinks and the spurious-token inspector.", factory=LoggingConfig)
@@ -224,20 +241,34 @@ class TrainConfig:
     faults: FaultConfig = option(doc="What to tolerate before stopping.", factory=FaultConfig)
 
     def __post_init__(self):
-        if self.compute.offload_while_generating and self.rollout.engine == "sglang" and not self.rollout.sglang.colocated:
-            raise ConfigError("compute.offload_while_generating: needs the rollout servers on the trainer's GPUs "
-                              "(rollout.sglang.placement: colocated); servers on other GPUs never compete for its memory")
+        if (
+            self.compute.offload_while_generating
+            and self.rollout.engine == "sglang"
+            and not self.rollout.sglang.colocated
+        ):
+            raise ConfigError(
+                "compute.offload_while_generating: needs the rollout servers on the trainer's GPUs "
+                "(rollout.sglang.placement: colocated); servers on other GPUs never compete for its memory"
+            )
         longest = self.data.max_prompt_tokens + self.batch.max_new_tokens
         # under sequence parallelism a packed row is padded to a multiple of TP
         multiple = self.parallel.tensor_parallel if self.parallel.sequence_parallel else 1
         for name in ("max_tokens_per_microbatch", "max_tokens_per_forward"):
             budget = getattr(self.batch, name)
             if budget // multiple * multiple < longest:  # checked here, never cut at run time
-                raise ConfigError(f"batch.{name}: {budget} tokens is less than the longest sequence, "
-                                  f"data.max_prompt_tokens + batch.max_new_tokens = {longest}"
-                                  + (f", in whole multiples of tensor_parallel={multiple} (sequence parallelism)" if multiple > 1 else ""))
+                raise ConfigError(
+                    f"batch.{name}: {budget} tokens is less than the longest sequence, "
+                    f"data.max_prompt_tokens + batch.max_new_tokens = {longest}"
+                    + (
+                        f", in whole multiples of tensor_parallel={multiple} (sequence parallelism)"
+                        if multiple > 1
+                        else ""
+                    )
+                )
         collective_s = self.parallel.timeout_minutes * 60
         if self.run.hang_timeout_s >= collective_s:
             # a hung collective would end the run first, with no message naming the phase
-            raise ConfigError(f"run.hang_timeout_s: {self.run.hang_timeout_s:g} s must be below the collective timeout "
-                              f"parallel.timeout_minutes={self.parallel.timeout_minutes} ({collective_s} s)")
+            raise ConfigError(
+                f"run.hang_timeout_s: {self.run.hang_timeout_s:g} s must be below the collective timeout "
+                f"parallel.timeout_minutes={self.parallel.timeout_minutes} ({collective_s} s)"
+            )

@@ -75,7 +75,11 @@ class Heartbeat:
                 self._end(silent, phase, step, saved)
 
     def _end(self, silent: float, phase: str, step: int, saved: int) -> None:
-        resume = f"the run resumes from the checkpoint of step {saved}" if saved else "the run has no checkpoint to resume from yet"
+        resume = (
+            f"the run resumes from the checkpoint of step {saved}"
+            if saved
+            else "the run has no checkpoint to resume from yet"
+        )
         self.stream.write(
             f"stapo: error: rank {self.rank}: no progress for {silent:.0f} s (run.hang_timeout_s={self.timeout_s:g}) "
             f"in phase '{phase}' of step {step}; exiting with code {HANG_EXIT_CODE}, {resume}\n"

@@ -46,7 +46,9 @@ class SpuriousTokenDump:
                     own = response[row] & (mb["segment_ids"][row] == segment)
                     start = int(own.nonzero()[0])
                     before = labels[max(start - 1, position - self.context) : position].tolist()
-                    after = labels[position + 1 : position + 1 + self.context][own[position + 1 : position + 1 + self.context]].tolist()
+                    after = labels[position + 1 : position + 1 + self.context][
+                        own[position + 1 : position + 1 + self.context]
+                    ].tolist()
                     token = int(labels[position])
                     entries.append(
                         {
@@ -125,7 +127,11 @@ def paper_comparison(entries: list[dict], top: int = 5, max_rows: int = 20) -> l
     for e in entries:
         by_step[e["step"]].append(e["token"])
     groups = step_groups(sorted(by_step), max_rows)
-    header = f"{'steps':<13} {'silenced':>8} " + " ".join(f"{name:>7}" for name in PAPER_CLASSES) + f" {'paper':>7}  most silenced (* = the paper's classes)"
+    header = (
+        f"{'steps':<13} {'silenced':>8} "
+        + " ".join(f"{name:>7}" for name in PAPER_CLASSES)
+        + f" {'paper':>7}  most silenced (* = the paper's classes)"
+    )
     lines = [
         'silenced tokens next to the STAPO paper\'s observation (digits, "$" and "x" among the most frequent',
         "spurious tokens on real text); shares are of the silenced tokens in the row's steps:",
@@ -137,7 +143,9 @@ def paper_comparison(entries: list[dict], top: int = 5, max_rows: int = 20) -> l
         classes = Counter(paper_class(token) for token in tokens)
         shares = " ".join(f"{classes[name] / len(tokens):>7.1%}" for name in PAPER_CLASSES)
         in_paper = sum(classes[name] for name in PAPER_CLASSES) / len(tokens)
-        listed = ", ".join(f"{token!r}{'*' if paper_class(token) else ''} {count}" for token, count in counts.most_common(top))
+        listed = ", ".join(
+            f"{token!r}{'*' if paper_class(token) else ''} {count}" for token, count in counts.most_common(top)
+        )
         return f"{label:<13} {len(tokens):>8} {shares} {in_paper:>7.1%}  {listed}"
 
     for group in groups:
@@ -147,7 +155,9 @@ def paper_comparison(entries: list[dict], top: int = 5, max_rows: int = 20) -> l
     return lines
 
 
-def summarize(run_dir: str | os.PathLike, top: int = 20, examples: int = 3, per_step_top: int = 5, max_step_rows: int = 20) -> str:
+def summarize(
+    run_dir: str | os.PathLike, top: int = 20, examples: int = 3, per_step_top: int = 5, max_step_rows: int = 20
+) -> str:
     """The most frequently silenced tokens, with mean probability and entropy and example
     contexts, then the per-step comparison with the paper's token classes (:func:`paper_comparison`)."""
     entries = read_dumps(run_dir)
@@ -167,14 +177,18 @@ def summarize(run_dir: str | os.PathLike, top: int = 20, examples: int = 3, per_
         rows = by_token[token]
         mean_p = sum(r["probability"] for r in rows) / count
         mean_h = sum(r["entropy"] for r in rows) / count
-        lines.append(f"{rank:>4}  {token!r:<20} {count:>7} {count / len(entries):>7.2%} {mean_p:>9.2e} {mean_h:>8.3f}  "
-                     f"{paper_class(token) or '-'}")
+        lines.append(
+            f"{rank:>4}  {token!r:<20} {count:>7} {count / len(entries):>7.2%} {mean_p:>9.2e} {mean_h:>8.3f}  "
+            f"{paper_class(token) or '-'}"
+        )
     lines.append("")
     lines.append("example contexts ([[token]] is silenced):")
     for token, _ in counts.most_common(min(top, 5)):
         for row in by_token[token][:examples]:
-            lines.append(f"  step {row['step']:>5} p={row['probability']:.1e} H={row['entropy']:.2f}: "
-                         f"...{row['before']}[[{row['token']}]]{row['after']}...")
+            lines.append(
+                f"  step {row['step']:>5} p={row['probability']:.1e} H={row['entropy']:.2f}: "
+                f"...{row['before']}[[{row['token']}]]{row['after']}..."
+            )
     lines.append("")
     lines.extend(paper_comparison(entries, per_step_top, max_step_rows))
     return "\n".join(lines)

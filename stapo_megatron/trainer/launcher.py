@@ -73,7 +73,9 @@ def check_data(cfg: TrainConfig) -> None:
     try:
         tokenizer = build_tokenizer(cfg)
     except OSError as err:
-        raise ConfigError(f"tokenizer: cannot load {cfg.tokenizer or cfg.checkpoint.load_hf}: {str(err).splitlines()[0]}") from None
+        raise ConfigError(
+            f"tokenizer: cannot load {cfg.tokenizer or cfg.checkpoint.load_hf}: {str(err).splitlines()[0]}"
+        ) from None
     try:
         build_prompt_dataset(cfg.data, tokenizer)
     except DataError as err:
@@ -147,19 +149,33 @@ def launch(cfg: TrainConfig, lock: RunLock) -> int:
     def on_signal(signum, frame):
         signals.append(signum)
         if len(signals) == 1:
-            print("\n[stapo] stopping after the current step (checkpoint follows); Ctrl-C again to kill", file=sys.stderr, flush=True)
+            print(
+                "\n[stapo] stopping after the current step (checkpoint follows); Ctrl-C again to kill",
+                file=sys.stderr,
+                flush=True,
+            )
             stop_file.touch()
         else:
             kill_tree(process.pid)
 
     with tempfile.TemporaryDirectory(prefix="stapo-launch-") as private:
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-            "-m", "stapo_megatron.trainer.main", "--config", str(_write_private_config(cfg, private)),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world}",
+            "-m",
+            "stapo_megatron.trainer.main",
+            "--config",
+            str(_write_private_config(cfg, private)),
         ]
         env = {
-            **os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-            LAUNCHER_PID_ENV: str(os.getpid()), TOKEN_ENV: lock.holder.token,
+            **os.environ,
+            "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            LAUNCHER_PID_ENV: str(os.getpid()),
+            TOKEN_ENV: lock.holder.token,
         }
         process = subprocess.Popen(command, env=env, start_new_session=True)
         # Set explicitly: a shell that starts this in the background would otherwise leave SIGINT ignored.
@@ -172,15 +188,22 @@ def launch(cfg: TrainConfig, lock: RunLock) -> int:
             # A request that the killed ranks never read must not stop the next run.
             stop_file.unlink(missing_ok=True)
     if len(signals) > 1:
-        print(f"[stapo] killed by a second {signal.Signals(signals[-1]).name}; no final checkpoint was written",
-              file=sys.stderr, flush=True)
+        print(
+            f"[stapo] killed by a second {signal.Signals(signals[-1]).name}; no final checkpoint was written",
+            file=sys.stderr,
+            flush=True,
+        )
         return 128 + signals[-1]
     return code
 
 
 # The summary's metrics: the mean over this many last steps, as the README quotes accuracy.
 SUMMARY_STEPS = 10
-_SUMMARY_METRICS = (("reward/accuracy", "accuracy"), ("policy/entropy", "entropy"), ("s2t/masked_fraction", "masked fraction"))
+_SUMMARY_METRICS = (
+    ("reward/accuracy", "accuracy"),
+    ("policy/entropy", "entropy"),
+    ("s2t/masked_fraction", "masked fraction"),
+)
 
 
 def _newest_checkpoint(directory: Path) -> tuple[Path | None, int]:
@@ -202,7 +225,9 @@ def run_summary(cfg: TrainConfig) -> str:
     if step >= cfg.run.steps:
         lines = [f"[stapo] run complete: step {step}/{cfg.run.steps} in {directory}"]
     else:
-        lines = [f"[stapo] run stopped at step {step}/{cfg.run.steps} in {directory}; the same `stapo train` resumes it"]
+        lines = [
+            f"[stapo] run stopped at step {step}/{cfg.run.steps} in {directory}; the same `stapo train` resumes it"
+        ]
     rows = read_metrics(directory)[-SUMMARY_STEPS:]
     means = []
     for key, label in _SUMMARY_METRICS:
@@ -236,8 +261,11 @@ def _already_complete(cfg: TrainConfig) -> bool:
     _, step = _newest_checkpoint(cfg.run.directory)
     if step < cfg.run.steps:
         return False
-    print(f"[stapo] {cfg.run.directory}: already complete (step {step}/{cfg.run.steps}), nothing to train "
-          "(raise run.steps to train on, or --overwrite to start afresh)", flush=True)
+    print(
+        f"[stapo] {cfg.run.directory}: already complete (step {step}/{cfg.run.steps}), nothing to train "
+        "(raise run.steps to train on, or --overwrite to start afresh)",
+        flush=True,
+    )
     print(run_summary(cfg), flush=True)
     return True
 
@@ -277,4 +305,3 @@ def run_train(args) -> None:
     if code:
         raise SystemExit(code)
     print(run_summary(cfg), flush=True)
-

@@ -71,7 +71,10 @@ class PhaseTimer:
         """Each phase's seconds and ``time/step``, the wall time of the whole step (after :meth:`stop`)."""
         if self.stopped is None:
             raise RuntimeError("PhaseTimer.metrics before stop(): the step has no end yet")
-        return {**{f"time/{phase}": seconds for phase, seconds in self.seconds.items()}, "time/step": self.stopped - self.started}
+        return {
+            **{f"time/{phase}": seconds for phase, seconds in self.seconds.items()},
+            "time/step": self.stopped - self.started,
+        }
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
@@ -85,7 +88,10 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
             try:
                 rows.append(json.loads(line))
             except ValueError:
-                print(f"warning: {path}: line {number} is cut off or malformed ({len(line)} bytes); skipped", file=sys.stderr)
+                print(
+                    f"warning: {path}: line {number} is cut off or malformed ({len(line)} bytes); skipped",
+                    file=sys.stderr,
+                )
     return rows
 
 
@@ -160,7 +166,11 @@ class MetricsLogger:
             self._wandb.log(metrics, step=step)
         if self._bar is not None:
             self._bar.set_postfix(
-                {k.split("/")[-1]: f"{metrics[k]:.3g}" for k in ("reward/accuracy", "s2t/masked_fraction", "policy/entropy") if k in metrics},
+                {
+                    k.split("/")[-1]: f"{metrics[k]:.3g}"
+                    for k in ("reward/accuracy", "s2t/masked_fraction", "policy/entropy")
+                    if k in metrics
+                },
                 refresh=False,
             )
             self._bar.update(1)

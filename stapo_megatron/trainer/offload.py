@@ -20,7 +20,8 @@ sync does not read, belongs to ``OPTIMIZER``: it leaves first and comes back for
 from __future__ import annotations
 
 import itertools
-from typing import Iterator, Literal
+from collections.abc import Iterator
+from typing import Literal
 
 import torch
 
@@ -142,4 +143,3 @@ class TrainerOffload:
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-

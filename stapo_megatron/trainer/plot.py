@@ -66,7 +66,7 @@ def plot_panels(
     columns = min(columns, len(panels))
     rows_count = -(-len(panels) // columns)
     figure, axes = plt.subplots(rows_count, columns, figsize=(6 * columns, 3.2 * rows_count), squeeze=False)
-    for axis in axes.flat[len(panels):]:
+    for axis in axes.flat[len(panels) :]:
         axis.set_visible(False)
     for axis, (key, panel_title) in zip(axes.flat, panels):
         for name, rows in runs:

@@ -11,7 +11,7 @@ generate (:data:`stapo_megatron.trainer.offload.REFERENCE`).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -23,17 +23,31 @@ from stapo_megatron.trainer.schedule import forward_only
 class ReferenceModel:
     """A frozen copy of ``initial`` (this rank's unwrapped policy stage, still at its initial weights)."""
 
-    def __init__(self, initial: torch.nn.Module, arch: Qwen3Config, *, params_dtype: torch.dtype,
-                 sequence_parallel: bool, device: torch.device | None = None):
+    def __init__(
+        self,
+        initial: torch.nn.Module,
+        arch: Qwen3Config,
+        *,
+        params_dtype: torch.dtype,
+        sequence_parallel: bool,
+        device: torch.device | None = None,
+    ):
         # The weights are copied in whole below: no random init (it would also advance the RNG).
-        model = build_stage(arch, params_dtype=params_dtype, perform_initialization=False,
-                            sequence_parallel=sequence_parallel, device=device)
+        model = build_stage(
+            arch,
+            params_dtype=params_dtype,
+            perform_initialization=False,
+            sequence_parallel=sequence_parallel,
+            device=device,
+        )
         model.load_state_dict(initial.state_dict(), strict=True)
         model.requires_grad_(False)
         model.eval()
         self.model = model
 
-    def logprobs(self, microbatches: list[dict], token_logprob: Callable[[torch.Tensor, dict], torch.Tensor]) -> list[torch.Tensor]:
+    def logprobs(
+        self, microbatches: list[dict], token_logprob: Callable[[torch.Tensor, dict], torch.Tensor]
+    ) -> list[torch.Tensor]:
         """``token_logprob(logits, micro-batch)`` under the reference weights, one tensor per
         micro-batch (forward only; last pipeline stage, [] elsewhere)."""
         return forward_only(self.model, microbatches, token_logprob)

@@ -43,19 +43,29 @@ class _Groups:
 
 # The rollout metrics of a step (RolloutCollector._metrics): over every response sampled in it,
 # dynamic sampling's dropped groups and extra rounds included.
-declare(Reduction.SUM, {
-    "rollout/responses_sampled": "responses sampled",
-    "rollout/groups_kept": "groups kept for the update",
-    "rollout/groups_sampled": "groups sampled",
-    "rollout/sampling_rounds": "sampling rounds (dynamic sampling resamples)",
-})
-declare(Reduction.WEIGHTED_MEAN, {
-    "reward/mean": "mean shaped reward",
-    "reward/accuracy": "fraction of responses the reward judged correct",
-    "response/length_mean": "mean response length in tokens",
-    "response/clipped_fraction": "fraction of responses cut at max_new_tokens",
-    **{f"reward/reason_{reason}": f"fraction of responses the reward scored with reason {reason!r}" for reason in REASONS},
-}, weight="rollout/responses_sampled")
+declare(
+    Reduction.SUM,
+    {
+        "rollout/responses_sampled": "responses sampled",
+        "rollout/groups_kept": "groups kept for the update",
+        "rollout/groups_sampled": "groups sampled",
+        "rollout/sampling_rounds": "sampling rounds (dynamic sampling resamples)",
+    },
+)
+declare(
+    Reduction.WEIGHTED_MEAN,
+    {
+        "reward/mean": "mean shaped reward",
+        "reward/accuracy": "fraction of responses the reward judged correct",
+        "response/length_mean": "mean response length in tokens",
+        "response/clipped_fraction": "fraction of responses cut at max_new_tokens",
+        **{
+            f"reward/reason_{reason}": f"fraction of responses the reward scored with reason {reason!r}"
+            for reason in REASONS
+        },
+    },
+    weight="rollout/responses_sampled",
+)
 declare(Reduction.MAX, {"response/length_max": "longest response in tokens"})
 
 
@@ -70,8 +80,13 @@ class RolloutCollector:
     def _sampling(self, seed: int) -> SamplingParams:
         b = self.cfg.batch
         return SamplingParams(
-            n=b.group_size, temperature=b.temperature, top_p=b.top_p, top_k=b.top_k,
-            max_new_tokens=b.max_new_tokens, stop_token_ids=self.stop_token_ids, seed=seed,
+            n=b.group_size,
+            temperature=b.temperature,
+            top_p=b.top_p,
+            top_k=b.top_k,
+            max_new_tokens=b.max_new_tokens,
+            stop_token_ids=self.stop_token_ids,
+            seed=seed,
         )
 
     def collect(self, step: int, timer) -> tuple[RolloutBatch, dict[str, float]]:
@@ -97,7 +112,9 @@ class RolloutCollector:
             lengths = torch.tensor([len(c.token_ids) for _, c in flat], dtype=torch.long)
             rewards = correctness_reward(correct, algo.reward_scale)
             if algo.overlong_shaping:
-                rewards = rewards + overlong_penalty(lengths, b.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor)
+                rewards = rewards + overlong_penalty(
+                    lengths, b.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor
+                )
             keep_groups = (
                 dynamic_sampling_filter(correct, b.group_size).tolist()
                 if algo.dynamic_sampling
@@ -109,7 +126,9 @@ class RolloutCollector:
         metrics = self._metrics(sampled, kept, reasons, rounds)
         rewards = torch.tensor(kept.rewards, dtype=torch.float32)
         advantages = (
-            group_advantages(rewards, b.group_size, scale=None if algo.advantage_scale == "none" else "std", eps=algo.advantage_eps)
+            group_advantages(
+                rewards, b.group_size, scale=None if algo.advantage_scale == "none" else "std", eps=algo.advantage_eps
+            )
             if kept.groups
             else rewards
         )
@@ -151,7 +170,9 @@ class RolloutController:
         self.collector, self.evaluator, self.logger, self.run_dir = collector, evaluator, logger, run_dir
 
     @classmethod
-    def build(cls, cfg, tokenizer, arch, device, servers, stop_token_ids, progress: dict, step: int) -> RolloutController:
+    def build(
+        cls, cfg, tokenizer, arch, device, servers, stop_token_ids, progress: dict, step: int
+    ) -> RolloutController:
         """The controller for ``cfg``, its sampler at the resumed ``progress``, logging from ``step``."""
         from stapo_megatron.data.prompts import build_prompt_dataset
         from stapo_megatron.data.sampler import PromptSampler
@@ -164,17 +185,27 @@ class RolloutController:
         sampler = PromptSampler(len(dataset), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         if "sampler" in progress:
             sampler.load_state_dict(progress["sampler"])
-        engine = build_engine(cfg.rollout, arch, device, hf_dir=cfg.checkpoint.load_hf, run_dir=cfg.run.directory,
-                              servers=servers)
-        collector = RolloutCollector(engine, RewardPool.from_config(cfg.reward), tokenizer, dataset, sampler, cfg, stop_token_ids)
-        logger = MetricsLogger(cfg.run.directory, cfg.logging, cfg.run.name, to_dict(cfg, redact=True), step, cfg.run.steps)
+        engine = build_engine(
+            cfg.rollout, arch, device, hf_dir=cfg.checkpoint.load_hf, run_dir=cfg.run.directory, servers=servers
+        )
+        collector = RolloutCollector(
+            engine, RewardPool.from_config(cfg.reward), tokenizer, dataset, sampler, cfg, stop_token_ids
+        )
+        logger = MetricsLogger(
+            cfg.run.directory, cfg.logging, cfg.run.name, to_dict(cfg, redact=True), step, cfg.run.steps
+        )
         evaluator = None
         if cfg.eval.every:
             from stapo_megatron.eval.evaluator import Evaluator
 
             evaluator = Evaluator(
-                engine, tokenizer, cfg.eval, cfg.data, cfg.reward,
-                default_max_new_tokens=cfg.batch.max_new_tokens, stop_token_ids=stop_token_ids,
+                engine,
+                tokenizer,
+                cfg.eval,
+                cfg.data,
+                cfg.reward,
+                default_max_new_tokens=cfg.batch.max_new_tokens,
+                stop_token_ids=stop_token_ids,
             )
         return cls(collector, evaluator, logger, cfg.run.directory)
 

@@ -9,8 +9,9 @@ logits ([b, s, V/tp]): in training it returns Megatron's per-token loss triple
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -19,8 +19,11 @@ def run_train_command(args) -> None:
     """``stapo train``, once the resume flags and a checkpoint.resume override are known to agree."""
     from stapo_megatron.trainer.launcher import run_train
 
-    flag, resume = ("--overwrite", "never") if args.overwrite else (
-        {"required": "--resume", "never": "--no-resume"}.get(args.resume), args.resume)
+    flag, resume = (
+        ("--overwrite", "never")
+        if args.overwrite
+        else ({"required": "--resume", "never": "--no-resume"}.get(args.resume), args.resume)
+    )
     if resume is not None:
         for text in args.overrides:
             path, value = parse_override(text)
@@ -42,16 +45,31 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--config", default=None, help=f"YAML config (default: the packaged {DEFAULT_CONFIG})")
     resume = parser.add_mutually_exclusive_group()
-    resume.add_argument("--resume", dest="resume", action="store_const", const="required",
-                        help="continue from the run's latest complete checkpoint; fail if there is none "
-                             "(default: continue when one exists); = checkpoint.resume=required")
-    resume.add_argument("--no-resume", dest="resume", action="store_const", const="never",
-                        help="start from the initial weights even if the run has checkpoints; "
-                             "= checkpoint.resume=never")
+    resume.add_argument(
+        "--resume",
+        dest="resume",
+        action="store_const",
+        const="required",
+        help="continue from the run's latest complete checkpoint; fail if there is none "
+        "(default: continue when one exists); = checkpoint.resume=required",
+    )
+    resume.add_argument(
+        "--no-resume",
+        dest="resume",
+        action="store_const",
+        const="never",
+        help="start from the initial weights even if the run has checkpoints; = checkpoint.resume=never",
+    )
     parser.set_defaults(resume=None)
-    parser.add_argument("--overwrite", action="store_true",
-                        help="start afresh in a directory with checkpoints: move the earlier run to "
-                             "<run>/archive/<time>/ first (implies --no-resume)")
-    parser.add_argument("overrides", nargs="*",
-                        help="dotted overrides, e.g. algo=grpo optim.lr=2e-6 run.steps=100 (before or after the flags)")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in a directory with checkpoints: move the earlier run to "
+        "<run>/archive/<time>/ first (implies --no-resume)",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="dotted overrides, e.g. algo=grpo optim.lr=2e-6 run.steps=100 (before or after the flags)",
+    )
     parser.set_defaults(func=run_train_command)

@@ -64,8 +64,11 @@ def build_scheduler(optimizer, cfg: TrainConfig, report: bool = True):
             if report:
                 for key, field in _SCHEDULE_FIELDS.items():
                     if key in state_dict and state_dict[key] != getattr(self, key):
-                        print(f"[stapo] {field} changed on resume: {state_dict[key]} in the checkpoint, "
-                              f"{getattr(self, key)} now (takes effect)", flush=True)
+                        print(
+                            f"[stapo] {field} changed on resume: {state_dict[key]} in the checkpoint, "
+                            f"{getattr(self, key)} now (takes effect)",
+                            flush=True,
+                        )
             # The optimizer's groups, restored from the checkpoint just before, carry its peak and
             # final rates, which get_lr prefers to the scheduler's own.
             # Adam's betas and eps come back with the optimizer's groups too; the config's win.
@@ -79,8 +82,11 @@ def build_scheduler(optimizer, cfg: TrainConfig, report: bool = True):
                         group[key] = value
             if report:
                 for key, old in changed.items():
-                    print(f"[stapo] optim.{key} changed on resume: {old} in the checkpoint, {adam[key]} now "
-                          "(takes effect)", flush=True)
+                    print(
+                        f"[stapo] optim.{key} changed on resume: {old} in the checkpoint, {adam[key]} now "
+                        "(takes effect)",
+                        flush=True,
+                    )
             super().load_state_dict(state_dict)
 
     o = cfg.optim
@@ -139,16 +145,27 @@ class Trainer:
         self._load_initial_weights(model)
         # The KL penalty's reference: the initial weights, copied before any checkpoint is resumed.
         self.reference = (
-            ReferenceModel(model, self.arch, params_dtype=self.params_dtype,
-                           sequence_parallel=cfg.parallel.sequence_parallel, device=self.device)
-            if cfg.algo.kl_coef > 0 else None
+            ReferenceModel(
+                model,
+                self.arch,
+                params_dtype=self.params_dtype,
+                sequence_parallel=cfg.parallel.sequence_parallel,
+                device=self.device,
+            )
+            if cfg.algo.kl_coef > 0
+            else None
         )
         self.model = self._wrap_ddp(model)
         self.optimizer, self.scheduler = self._build_optimizer()
         self.offload = (
-            TrainerOffload(self.model, self.optimizer, self.device,
-                           reference=self.reference.model if self.reference is not None else None)
-            if cfg.compute.offload_while_generating else None
+            TrainerOffload(
+                self.model,
+                self.optimizer,
+                self.device,
+                reference=self.reference.model if self.reference is not None else None,
+            )
+            if cfg.compute.offload_while_generating
+            else None
         )
         self.moved_bytes = {"offload": 0, "reload": 0}  # this step's, for its row
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep_last, self.ctx)
@@ -169,8 +186,16 @@ class Trainer:
         self.rollout_servers = start_rollout_servers(self.ctx, cfg.rollout, cfg.checkpoint.load_hf, self.run_dir)
         # The rollout side lives on rank 0 alone; every other rank holds None (see _on_controller).
         self.controller = (
-            RolloutController.build(cfg, self.tokenizer, self.arch, self.device, self.rollout_servers,
-                                    stop_token_ids(cfg, self.tokenizer), progress, self.step)
+            RolloutController.build(
+                cfg,
+                self.tokenizer,
+                self.arch,
+                self.device,
+                self.rollout_servers,
+                stop_token_ids(cfg, self.tokenizer),
+                progress,
+                self.step,
+            )
             if self.rank == 0
             else None
         )
@@ -198,7 +223,11 @@ class Trainer:
             load_model(model, ckpt.load_megatron)
 
     def _wrap_ddp(self, model):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
 
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -239,7 +268,9 @@ class Trainer:
         latest = self.checkpointer.latest_intact() if mode != "never" else None
         if latest is None:
             if mode == "required":
-                raise RuntimeError(f"checkpoint.resume=required but {self.checkpointer.root} has no complete checkpoint")
+                raise RuntimeError(
+                    f"checkpoint.resume=required but {self.checkpointer.root} has no complete checkpoint"
+                )
             return {}
         progress = self.checkpointer.load(latest, self.model, self.optimizer, self.scheduler)
         self.step = progress["step"]
@@ -286,7 +317,11 @@ class Trainer:
                 after_row = self._log(step, metrics, timer, batch, heartbeat)
                 with after_row("stop_agreement"):
                     stop = self._agree_to_stop()
-                if stop or step == self.cfg.run.steps or (self.cfg.checkpoint.save_every and step % self.cfg.checkpoint.save_every == 0):
+                if (
+                    stop
+                    or step == self.cfg.run.steps
+                    or (self.cfg.checkpoint.save_every and step % self.cfg.checkpoint.save_every == 0)
+                ):
                     self._checkpoint(step, after_row, heartbeat)
                 # what ran after the row (writing it, the stop agreement, the checkpoint) counts in the next one
                 timer = heartbeat.timer(step + 1).absorb(after_row)
@@ -349,7 +384,9 @@ class Trainer:
         def count_skipped(result) -> None:
             if result.skipped:
                 self.skipped_steps += 1
-                self._message(f"[stapo] step {step}: non-finite loss or gradient, optimizer step skipped ({self.skipped_steps} so far)")
+                self._message(
+                    f"[stapo] step {step}: non-finite loss or gradient, optimizer step skipped ({self.skipped_steps} so far)"
+                )
                 if self.skipped_steps > self.cfg.faults.max_skipped_steps:
                     raise RuntimeError(
                         f"{self.skipped_steps} optimizer steps skipped for non-finite values, more than "
@@ -362,7 +399,9 @@ class Trainer:
             done = self.updater.update_step(batch, timer, on_result=count_skipped)
         if self.cfg.logging.inspect_every and step % self.cfg.logging.inspect_every == 0:
             with timer("inspect"):
-                self.inspector.dump(step, done.microbatches, done.decided_on, [r.selections for r in done.results], batch)
+                self.inspector.dump(
+                    step, done.microbatches, done.decided_on, [r.selections for r in done.results], batch
+                )
         metrics = done.metrics
         metrics.update(combine_steps([r.metrics for r in done.results]))
         metrics["optim/skipped_steps"] = float(self.skipped_steps)
@@ -380,16 +419,20 @@ class Trainer:
         return self._on_controller(lambda controller: controller.evaluate(step), default={})
 
     def save(self) -> None:
-        progress = self._on_controller(lambda controller: {
-            "step": self.step,
-            "skipped_steps": self.skipped_steps,
-            "optimizer_steps": self.optimizer_steps,
-            "sampler": controller.sampler_state(),
-        })
+        progress = self._on_controller(
+            lambda controller: {
+                "step": self.step,
+                "skipped_steps": self.skipped_steps,
+                "optimizer_steps": self.optimizer_steps,
+                "sampler": controller.sampler_state(),
+            }
+        )
         # The sampler lives on rank 0; every rank must hand dist_checkpointing the same common state.
         progress = self.ctx.broadcast_object(progress, src=0)
         assets = hf_assets(self.tokenizer_dir) if self.tokenizer_dir else None
-        self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, progress, self.arch, self.params_dtype, assets)
+        self.checkpointer.save(
+            self.step, self.model, self.optimizer, self.scheduler, progress, self.arch, self.params_dtype, assets
+        )
 
     def _agree_to_stop(self) -> bool:
         requested = self.stop_requested or self._on_controller(RolloutController.stop_file_present, default=False)
@@ -407,7 +450,9 @@ class Trainer:
             self.save()
         heartbeat.saved(step)
 
-    def _log(self, step: int, metrics: dict, timer: PhaseTimer, batch: RolloutBatch, heartbeat: Heartbeat) -> PhaseTimer:
+    def _log(
+        self, step: int, metrics: dict, timer: PhaseTimer, batch: RolloutBatch, heartbeat: Heartbeat
+    ) -> PhaseTimer:
         """Write the step's row; returns a timer started where this step's time ends, for what runs
         after the row (writing it is the first of those)."""
         with timer("logging"):
@@ -444,4 +489,3 @@ class Trainer:
             self.weight_sync.close()
         if self.rollout_servers is not None:
             self.rollout_servers.shutdown()  # this node's servers, on its leader
-

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -92,19 +92,33 @@ class StepResult:
 
 
 # The plan's metrics: one row per mini-batch, combined over the step by these reductions.
-declare(Reduction.SUM, {
-    "batch/sequences": "sequences of the step",
-    "batch/model_tokens": "model tokens of the update micro-batches, padding included, all data-parallel ranks",
-})
-declare(Reduction.MAX, {
-    "batch/dp_token_imbalance": "largest over the mini-batches of (largest rank's tokens - mean) / mean",
-})
-declare(Reduction.WEIGHTED_MEAN, {
-    "batch/skipped_fraction": "zero-advantage sequences left out of the passes / sequences",
-}, weight="batch/sequences")
-declare(Reduction.WEIGHTED_MEAN, {
-    "batch/padding_fraction": "padding / model tokens of the update micro-batches",
-}, weight="batch/model_tokens")
+declare(
+    Reduction.SUM,
+    {
+        "batch/sequences": "sequences of the step",
+        "batch/model_tokens": "model tokens of the update micro-batches, padding included, all data-parallel ranks",
+    },
+)
+declare(
+    Reduction.MAX,
+    {
+        "batch/dp_token_imbalance": "largest over the mini-batches of (largest rank's tokens - mean) / mean",
+    },
+)
+declare(
+    Reduction.WEIGHTED_MEAN,
+    {
+        "batch/skipped_fraction": "zero-advantage sequences left out of the passes / sequences",
+    },
+    weight="batch/sequences",
+)
+declare(
+    Reduction.WEIGHTED_MEAN,
+    {
+        "batch/padding_fraction": "padding / model tokens of the update micro-batches",
+    },
+    weight="batch/model_tokens",
+)
 
 
 def plan_step(batch: RolloutBatch, cfg, ctx: ParallelContext, pad_to_multiple: int = 1) -> StepPlan:
@@ -128,10 +142,14 @@ def plan_step(batch: RolloutBatch, cfg, ctx: ParallelContext, pad_to_multiple: i
         run = [i for i in sequences if i not in left_out]
         parts = balance_over_ranks(run, lengths, ctx.dp_size)
         # the largest multiple of pad_to_multiple in the budget: padding never takes a row over it
-        update_bins = [pack_by_budget(part, lengths, b.max_tokens_per_microbatch // pad_to_multiple * pad_to_multiple)
-                       for part in parts]
-        forward_bins = [pack_by_budget(part, lengths, b.max_tokens_per_forward // pad_to_multiple * pad_to_multiple)
-                        for part in parts]
+        update_bins = [
+            pack_by_budget(part, lengths, b.max_tokens_per_microbatch // pad_to_multiple * pad_to_multiple)
+            for part in parts
+        ]
+        forward_bins = [
+            pack_by_budget(part, lengths, b.max_tokens_per_forward // pad_to_multiple * pad_to_multiple)
+            for part in parts
+        ]
         update_count = max(1, *(len(x) for x in update_bins))
         forward_count = max(1, *(len(x) for x in forward_bins))
         update_tokens = padded_tokens = 0
@@ -142,22 +160,31 @@ def plan_step(batch: RolloutBatch, cfg, ctx: ParallelContext, pad_to_multiple: i
                 padded_tokens += -(-max(tokens, 1) // pad_to_multiple) * pad_to_multiple
         mine = parts[ctx.dp_rank]
         mine_all.extend(mine)
-        shares.append((update_bins[ctx.dp_rank] + [[]] * (update_count - len(update_bins[ctx.dp_rank])),
-                       forward_bins[ctx.dp_rank] + [[]] * (forward_count - len(forward_bins[ctx.dp_rank])), zero))
-        rows.append({
-            "batch/dp_token_imbalance": token_imbalance(parts, lengths),
-            "batch/sequences": float(len(sequences)),
-            "batch/skipped_fraction": len(zero) / len(sequences),
-            "batch/model_tokens": float(padded_tokens),
-            "batch/padding_fraction": 1.0 - update_tokens / padded_tokens if padded_tokens else 0.0,
-        })
+        shares.append(
+            (
+                update_bins[ctx.dp_rank] + [[]] * (update_count - len(update_bins[ctx.dp_rank])),
+                forward_bins[ctx.dp_rank] + [[]] * (forward_count - len(forward_bins[ctx.dp_rank])),
+                zero,
+            )
+        )
+        rows.append(
+            {
+                "batch/dp_token_imbalance": token_imbalance(parts, lengths),
+                "batch/sequences": float(len(sequences)),
+                "batch/skipped_fraction": len(zero) / len(sequences),
+                "batch/model_tokens": float(padded_tokens),
+                "batch/padding_fraction": 1.0 - update_tokens / padded_tokens if padded_tokens else 0.0,
+            }
+        )
     slots = token_slots(batch, mine_all)
     minibatches = []
     for update_bins, forward_bins, zero in shares:
         minibatches.append(
             MinibatchPlan(
                 update=make_microbatches(batch, update_bins, ctx.device, slots=slots, pad_to_multiple=pad_to_multiple),
-                forward=make_microbatches(batch, forward_bins, ctx.device, slots=slots, pad_to_multiple=pad_to_multiple),
+                forward=make_microbatches(
+                    batch, forward_bins, ctx.device, slots=slots, pad_to_multiple=pad_to_multiple
+                ),
                 skipped_tokens=sum(len(batch.response_ids[i]) for i in zero),
                 skipped_sequences=sum(1 for i in zero if batch.response_ids[i]),
             )
@@ -167,13 +194,19 @@ def plan_step(batch: RolloutBatch, cfg, ctx: ParallelContext, pad_to_multiple: i
 
 # Of each optimizer step (PolicyUpdater.train_minibatch); the loss's own metrics are declared in
 # stapo_megatron.loss.policy, their logged forms at summarize_loss_metrics.
-declare(Reduction.SUM, {
-    "skipped_tokens": "response tokens of the left-out zero-advantage sequences (in the loss denominator, not run)",
-})
-declare(Reduction.MEAN, {
-    "optim/grad_norm": "gradient norm before clipping (plain mean over the step's optimizer steps)",
-    "optim/lr": "learning rate (one value per training step: the scheduler steps after the last mini-batch)",
-})
+declare(
+    Reduction.SUM,
+    {
+        "skipped_tokens": "response tokens of the left-out zero-advantage sequences (in the loss denominator, not run)",
+    },
+)
+declare(
+    Reduction.MEAN,
+    {
+        "optim/grad_norm": "gradient norm before clipping (plain mean over the step's optimizer steps)",
+        "optim/lr": "learning rate (one value per training step: the scheduler steps after the last mini-batch)",
+    },
+)
 
 
 class PolicyUpdater:
@@ -181,7 +214,7 @@ class PolicyUpdater:
     loss inputs of each micro-batch (passed to the loss by the micro-batch's identity, never
     written into it), and the optimizer steps."""
 
-    def __init__(self, model, optimizer, cfg, arch, ctx: ParallelContext, reference: Optional[ReferenceModel] = None):
+    def __init__(self, model, optimizer, cfg, arch, ctx: ParallelContext, reference: ReferenceModel | None = None):
         # No scheduler here: the trainer steps it once per training step, after all mini-batches.
         # ``reference``: the frozen model of the KL penalty (needed when algo.kl_coef > 0).
         if cfg.algo.kl_coef > 0 and reference is None:
@@ -224,12 +257,16 @@ class PolicyUpdater:
             vector[mb["token_index"].reshape(-1)] = v.reshape(-1).float()
         return vector
 
-    def _to_slots(self, slots: TokenSlots, microbatches: list[dict], stats: list[TokenStats]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _to_slots(
+        self, slots: TokenSlots, microbatches: list[dict], stats: list[TokenStats]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies of ``stats`` (one per micro-batch) as per-rank token vectors."""
-        return (self._slot_vector(slots, microbatches, [s.logprob for s in stats]),
-                self._slot_vector(slots, microbatches, [s.entropy for s in stats]))
+        return (
+            self._slot_vector(slots, microbatches, [s.logprob for s in stats]),
+            self._slot_vector(slots, microbatches, [s.entropy for s in stats]),
+        )
 
-    def reference_logprobs(self, slots: TokenSlots, microbatches: list[dict]) -> Optional[torch.Tensor]:
+    def reference_logprobs(self, slots: TokenSlots, microbatches: list[dict]) -> torch.Tensor | None:
         """The reference model's log-prob of every token of ``microbatches`` (forward layout) as a
         per-rank token vector, at the rollout temperature through the same vocabulary-parallel
         path as the policy's (last stage; None elsewhere)."""
@@ -243,9 +280,13 @@ class PolicyUpdater:
 
     # ---- one rollout step --------------------------------------------------------------------
 
-    def update_step(self, batch: RolloutBatch, timer: Optional[Callable] = None,
-                    on_result: Optional[Callable[[MinibatchResult], None]] = None,
-                    plan: Optional[StepPlan] = None) -> StepResult:
+    def update_step(
+        self,
+        batch: RolloutBatch,
+        timer: Callable | None = None,
+        on_result: Callable[[MinibatchResult], None] | None = None,
+        plan: StepPlan | None = None,
+    ) -> StepResult:
         """Old statistics, then per mini-batch: threshold, selection, one optimizer step.
         ``timer(name)``: a context manager per phase; ``on_result``: called after each optimizer
         step (the trainer counts skipped steps there); ``plan``: micro-batches laid out by the
@@ -281,8 +322,9 @@ class PolicyUpdater:
                     current = self._to_slots(plan.slots, minibatch.forward, current_stats) if j else old
             first += len(minibatch.forward)
             with phase("update"):
-                result, stats = self.train_minibatch(minibatch, old, current, threshold, ref,
-                                                     step_entropy=metrics.get("policy/entropy"))
+                result, stats = self.train_minibatch(
+                    minibatch, old, current, threshold, ref, step_entropy=metrics.get("policy/entropy")
+                )
             if on_result is not None:
                 on_result(result)
             results.append(result)
@@ -292,8 +334,9 @@ class PolicyUpdater:
 
     # ---- one optimizer step ------------------------------------------------------------------
 
-    def train_minibatch(self, minibatch: MinibatchPlan, old, current, threshold, ref=None,
-                        step_entropy: Optional[float] = None) -> tuple[MinibatchResult, list]:
+    def train_minibatch(
+        self, minibatch: MinibatchPlan, old, current, threshold, ref=None, step_entropy: float | None = None
+    ) -> tuple[MinibatchResult, list]:
         """Accumulate the masked loss over the mini-batch's update micro-batches and take one
         optimizer step. ``old``/``current``: per-rank token vectors (log-prob, entropy) before this
         step's first update and under the weights about to be updated (last stage; None
@@ -315,8 +358,13 @@ class PolicyUpdater:
                     "ref_logprob": ref[mb["token_index"]] if ref is not None else None,
                     "selection": select_tokens(self.algo, stats, threshold) if scoped else None,
                     # what the left-out sequences add to the denominator, and their response tokens
-                    "skipped_count": (minibatch.skipped_tokens if self.algo.aggregation == "token_mean"
-                                      else minibatch.skipped_sequences) if counts_skipped else 0,
+                    "skipped_count": (
+                        minibatch.skipped_tokens
+                        if self.algo.aggregation == "token_mean"
+                        else minibatch.skipped_sequences
+                    )
+                    if counts_skipped
+                    else 0,
                     "skipped_tokens": minibatch.skipped_tokens if counts_skipped else 0,
                 }
 
@@ -327,8 +375,13 @@ class PolicyUpdater:
             logprob, entropy = self._token_logprob_entropy(logits, batch, entropy_grad=self.algo.entropy_coef > 0)
             selection = given["selection"]
             if selection is None:  # a rule without a mini-batch threshold: this micro-batch decides
-                stats = TokenStats(logprob.detach(), entropy.detach(), batch["advantages"], batch["response_mask"],
-                                   step_entropy=step_entropy)
+                stats = TokenStats(
+                    logprob.detach(),
+                    entropy.detach(),
+                    batch["advantages"],
+                    batch["response_mask"],
+                    step_entropy=step_entropy,
+                )
                 selection = select_tokens(self.algo, stats, None)
                 collected.append(selection)
             loss_sum, num_tokens, metrics = policy_loss(
@@ -363,8 +416,12 @@ class PolicyUpdater:
                 # left-out zero-advantage sequences: kept by the rule, no gradient, in the denominator
                 num_tokens = num_tokens + given["skipped_count"]
                 skipped = torch.tensor(float(given["skipped_tokens"]), dtype=torch.float64, device=logprob.device)
-                metrics = {**metrics, "kept_tokens": metrics["kept_tokens"] + skipped,
-                           "response_tokens": metrics["response_tokens"] + skipped, "skipped_tokens": skipped}
+                metrics = {
+                    **metrics,
+                    "kept_tokens": metrics["kept_tokens"] + skipped,
+                    "response_tokens": metrics["response_tokens"] + skipped,
+                    "skipped_tokens": skipped,
+                }
             return loss_sum, num_tokens, {"metrics": metrics}
 
         for chunk in self.model if isinstance(self.model, list) else [self.model]:
@@ -410,7 +467,9 @@ def candidate_mismatch(
         return {}
     sums = reduce_metrics(
         mismatch_sums(
-            stats.logprob, mb["rollout_logprobs"], mb["response_mask"],
+            stats.logprob,
+            mb["rollout_logprobs"],
+            mb["response_mask"],
             s2t_candidates(stats.logprob, stats.advantages, mb["response_mask"], tau_p),
         )
         for stats, mb in zip(old_stats, microbatches)
@@ -418,21 +477,31 @@ def candidate_mismatch(
     return summarize_mismatch(all_reduce_metrics(sums, ctx.dp_group))
 
 
-declare(Reduction.SUM, {
-    "old_response_tokens": "response tokens run through the old-statistics pass",
-    "old_entropy_sum": "sum of the old policy's entropy over them",
-    "old_mismatch_abs_sum": "sum of |log pi_old - log pi_rollout| over them",
-    "policy/statistics_tokens": "response tokens run through the old-statistics pass, all data-parallel ranks "
-                                "(what policy/entropy and mismatch/logprob_abs_* cover)",
-})
-declare(Reduction.MAX, {
-    "old_mismatch_abs_max": "largest |log pi_old - log pi_rollout| over them (0: none)",
-    "mismatch/logprob_abs_max": "largest |log pi_old - log pi_rollout|" + OLD_PASS_ONLY,
-})
-declare(Reduction.WEIGHTED_MEAN, {
-    "policy/entropy": "mean entropy of the old policy" + OLD_PASS_ONLY,
-    "mismatch/logprob_abs_mean": "mean |log pi_old - log pi_rollout|" + OLD_PASS_ONLY,
-}, weight="policy/statistics_tokens")
+declare(
+    Reduction.SUM,
+    {
+        "old_response_tokens": "response tokens run through the old-statistics pass",
+        "old_entropy_sum": "sum of the old policy's entropy over them",
+        "old_mismatch_abs_sum": "sum of |log pi_old - log pi_rollout| over them",
+        "policy/statistics_tokens": "response tokens run through the old-statistics pass, all data-parallel ranks "
+        "(what policy/entropy and mismatch/logprob_abs_* cover)",
+    },
+)
+declare(
+    Reduction.MAX,
+    {
+        "old_mismatch_abs_max": "largest |log pi_old - log pi_rollout| over them (0: none)",
+        "mismatch/logprob_abs_max": "largest |log pi_old - log pi_rollout|" + OLD_PASS_ONLY,
+    },
+)
+declare(
+    Reduction.WEIGHTED_MEAN,
+    {
+        "policy/entropy": "mean entropy of the old policy" + OLD_PASS_ONLY,
+        "mismatch/logprob_abs_mean": "mean |log pi_old - log pi_rollout|" + OLD_PASS_ONLY,
+    },
+    weight="policy/statistics_tokens",
+)
 
 
 def rollout_statistics(ctx: ParallelContext, old_stats: list[TokenStats], microbatches: list[dict]) -> dict[str, float]:
@@ -453,9 +522,14 @@ def rollout_statistics(ctx: ParallelContext, old_stats: list[TokenStats], microb
         }
 
     zero = torch.zeros((), dtype=torch.float64, device=ctx.device)
-    local = reduce_metrics([dict.fromkeys(("old_response_tokens", "old_entropy_sum", "old_mismatch_abs_sum",
-                                           "old_mismatch_abs_max"), zero)]
-                           + [raw(stats, mb) for stats, mb in zip(old_stats, microbatches)])
+    local = reduce_metrics(
+        [
+            dict.fromkeys(
+                ("old_response_tokens", "old_entropy_sum", "old_mismatch_abs_sum", "old_mismatch_abs_max"), zero
+            )
+        ]
+        + [raw(stats, mb) for stats, mb in zip(old_stats, microbatches)]
+    )
     totals = all_reduce_metrics(local, ctx.dp_group, device=ctx.device)
     tokens = float(totals["old_response_tokens"])
     return {
@@ -487,53 +561,86 @@ def merge_reporter_metrics(ctx: ParallelContext, metrics: dict) -> dict:
 # steps of a training step (stapo_megatron.loss.metrics.combine_steps) by these reductions.
 # "Run tokens": kept tokens of the sequences run through the loss (left-out zero-advantage ones
 # count in the loss denominator but were not computed).
-declare(Reduction.SUM, {
-    "policy/response_tokens": "response tokens, all data-parallel ranks (left-out zero-advantage ones included)",
-    "policy/kept_tokens": "tokens in the loss denominator (left-out zero-advantage ones included)",
-    "policy/run_tokens": "kept tokens of the sequences run through the loss",
-    "s2t/silenced_tokens": "response tokens the token rule silenced",
-    "s2t/candidates": "S2T candidates",
-    "s2t/silenced_candidates": "S2T candidates the rule silenced",
-})
-declare(Reduction.WEIGHTED_MEAN, {
-    "s2t/masked_fraction": "silenced / response tokens",
-    "rollout_correction/rejected_fraction": "tokens the masked rollout correction rejected / response tokens",
-}, weight="policy/response_tokens")
-declare(Reduction.WEIGHTED_MEAN, {
-    "policy/pg_loss": "policy-gradient term per token of the loss denominator",
-}, weight="policy/kept_tokens")
-declare(Reduction.WEIGHTED_MEAN, {
-    "policy/clip_low_fraction": "run tokens with A < 0 clipped at 1 - eps_low",
-    "policy/clip_high_fraction": "run tokens with A > 0 clipped at 1 + eps_high",
-    "policy/dual_clip_fraction": "run tokens the dual-clip caps",
-    "policy/approx_kl": "mean k3(old || current) per run token",
-    "policy/ratio_mean": "mean importance ratio per run token",
-    "policy/entropy_kept": "mean entropy of the current policy per run token (only the sequences run)",
-    "policy/ref_kl": "mean KL estimate against the reference policy per run token",
-    "rollout_correction/weight_mean": "mean rollout-correction weight per run token",
-    "rollout_correction/truncated_fraction": "run tokens whose rollout-correction weight was cut at the cap",
-}, weight="policy/run_tokens")
-declare(Reduction.WEIGHTED_MEAN, {
-    "s2t/entropy_silenced": "mean entropy of the current policy over the silenced tokens",
-}, weight="s2t/silenced_tokens")
+declare(
+    Reduction.SUM,
+    {
+        "policy/response_tokens": "response tokens, all data-parallel ranks (left-out zero-advantage ones included)",
+        "policy/kept_tokens": "tokens in the loss denominator (left-out zero-advantage ones included)",
+        "policy/run_tokens": "kept tokens of the sequences run through the loss",
+        "s2t/silenced_tokens": "response tokens the token rule silenced",
+        "s2t/candidates": "S2T candidates",
+        "s2t/silenced_candidates": "S2T candidates the rule silenced",
+    },
+)
+declare(
+    Reduction.WEIGHTED_MEAN,
+    {
+        "s2t/masked_fraction": "silenced / response tokens",
+        "rollout_correction/rejected_fraction": "tokens the masked rollout correction rejected / response tokens",
+    },
+    weight="policy/response_tokens",
+)
+declare(
+    Reduction.WEIGHTED_MEAN,
+    {
+        "policy/pg_loss": "policy-gradient term per token of the loss denominator",
+    },
+    weight="policy/kept_tokens",
+)
+declare(
+    Reduction.WEIGHTED_MEAN,
+    {
+        "policy/clip_low_fraction": "run tokens with A < 0 clipped at 1 - eps_low",
+        "policy/clip_high_fraction": "run tokens with A > 0 clipped at 1 + eps_high",
+        "policy/dual_clip_fraction": "run tokens the dual-clip caps",
+        "policy/approx_kl": "mean k3(old || current) per run token",
+        "policy/ratio_mean": "mean importance ratio per run token",
+        "policy/entropy_kept": "mean entropy of the current policy per run token (only the sequences run)",
+        "policy/ref_kl": "mean KL estimate against the reference policy per run token",
+        "rollout_correction/weight_mean": "mean rollout-correction weight per run token",
+        "rollout_correction/truncated_fraction": "run tokens whose rollout-correction weight was cut at the cap",
+    },
+    weight="policy/run_tokens",
+)
+declare(
+    Reduction.WEIGHTED_MEAN,
+    {
+        "s2t/entropy_silenced": "mean entropy of the current policy over the silenced tokens",
+    },
+    weight="s2t/silenced_tokens",
+)
 declare(Reduction.MAX, {"policy/ratio_max": "largest importance ratio of a run token"})
 declare(Reduction.MIN, {"policy/ratio_min": "smallest importance ratio of a run token"})
-declare(Reduction.MEAN, {
-    "s2t/tau_h": "entropy threshold, mean over the optimizer steps that had one (null: none had)",
-})
+declare(
+    Reduction.MEAN,
+    {
+        "s2t/tau_h": "entropy threshold, mean over the optimizer steps that had one (null: none had)",
+    },
+)
 # The policy objective's (stapo_megatron.loss.objectives), logged when it reports them.
-declare(Reduction.SUM, {
-    "objective/cov_candidate_tokens": "clip_cov: unclipped tokens with clip_cov_lb < Cov < clip_cov_ub",
-    "objective/cov_selected_tokens": "clip_cov / kl_cov: tokens the covariance picked",
-    "objective/gspo_sequences": "gspo: sequences with a token in the loss",
-})
-declare(Reduction.WEIGHTED_MEAN, {
-    "objective/cov_selected_fraction": "clip_cov / kl_cov: picked tokens / run tokens",
-    "objective/kl_cov_penalty": "kl_cov: kl_cov_coef * |log r| summed over the picked tokens, per run token",
-}, weight="policy/run_tokens")
-declare(Reduction.WEIGHTED_MEAN, {
-    "objective/gspo_clipped_fraction": "gspo: sequences whose ratio s_i is clipped on the side A pushes it / sequences",
-}, weight="objective/gspo_sequences")
+declare(
+    Reduction.SUM,
+    {
+        "objective/cov_candidate_tokens": "clip_cov: unclipped tokens with clip_cov_lb < Cov < clip_cov_ub",
+        "objective/cov_selected_tokens": "clip_cov / kl_cov: tokens the covariance picked",
+        "objective/gspo_sequences": "gspo: sequences with a token in the loss",
+    },
+)
+declare(
+    Reduction.WEIGHTED_MEAN,
+    {
+        "objective/cov_selected_fraction": "clip_cov / kl_cov: picked tokens / run tokens",
+        "objective/kl_cov_penalty": "kl_cov: kl_cov_coef * |log r| summed over the picked tokens, per run token",
+    },
+    weight="policy/run_tokens",
+)
+declare(
+    Reduction.WEIGHTED_MEAN,
+    {
+        "objective/gspo_clipped_fraction": "gspo: sequences whose ratio s_i is clipped on the side A pushes it / sequences",
+    },
+    weight="objective/gspo_sequences",
+)
 
 
 def summarize_loss_metrics(m: dict[str, torch.Tensor]) -> dict[str, float]:

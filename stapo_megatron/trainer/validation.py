@@ -13,17 +13,23 @@ from stapo_megatron.trainer.config import TrainConfig
 
 # Fields that describe the weights; the rest (dtype written on export, rope length) may differ.
 _ARCH_FIELDS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "tie_word_embeddings",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "tie_word_embeddings",
 )
 
 
 def _check_same_arch(expected: Qwen3Config, found: Qwen3Config, where: str) -> None:
     for name in _ARCH_FIELDS:
         if getattr(expected, name) != getattr(found, name):
-            raise ConfigError(
-                f"model.{name}: is {getattr(expected, name)!r} but {where} has {getattr(found, name)!r}"
-            )
+            raise ConfigError(f"model.{name}: is {getattr(expected, name)!r} but {where} has {getattr(found, name)!r}")
 
 
 def _check_initial_weights(cfg: TrainConfig) -> None:
@@ -93,12 +99,16 @@ def check_train_config(cfg: TrainConfig, files: bool = True) -> None:
             f"algo.overlong_buffer: {cfg.algo.overlong_buffer} is longer than batch.max_new_tokens {cfg.batch.max_new_tokens}"
         )
     if cfg.data.is_synthetic and cfg.reward.kind == "math":
-        raise ConfigError("reward.kind: the synthetic task is scored with free_words or exact (its answers have no \\boxed{})")
+        raise ConfigError(
+            "reward.kind: the synthetic task is scored with free_words or exact (its answers have no \\boxed{})"
+        )
     if cfg.eval.every:
         from stapo_megatron.data.benchmarks import get_benchmark
 
         if cfg.data.is_synthetic:
-            raise ConfigError("eval.every: the math benchmarks cannot be evaluated with the synthetic task's tokenizer; set 0")
+            raise ConfigError(
+                "eval.every: the math benchmarks cannot be evaluated with the synthetic task's tokenizer; set 0"
+            )
 
         if not cfg.eval.data_dir:
             raise ConfigError("eval.data_dir: needed when eval.every > 0")

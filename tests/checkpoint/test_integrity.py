@@ -45,13 +45,25 @@ def _truncate(path):
 
 
 DAMAGE = {
-    "flipped-data": (lambda d: flip_byte(_data_file(d)), r"/__1_1\.distcp: contents differ from the sha256 recorded in stapo_complete\.json"),
+    "flipped-data": (
+        lambda d: flip_byte(_data_file(d)),
+        r"/__1_1\.distcp: contents differ from the sha256 recorded in stapo_complete\.json",
+    ),
     "flipped-common": (lambda d: flip_byte(d / "common.pt"), r"/common\.pt: contents differ"),
     "flipped-index": (lambda d: flip_byte(d / ".metadata", 200), r"/\.metadata: contents differ"),
-    "truncated": (lambda d: _truncate(_data_file(d)), r"/__1_1\.distcp: \d+ bytes, but the checkpoint recorded \d+ \(truncated or replaced\)"),
-    "missing": (lambda d: (d / ".metadata").unlink(), r"/\.metadata: missing \(listed in the checkpoint's stapo_complete\.json\)"),
+    "truncated": (
+        lambda d: _truncate(_data_file(d)),
+        r"/__1_1\.distcp: \d+ bytes, but the checkpoint recorded \d+ \(truncated or replaced\)",
+    ),
+    "missing": (
+        lambda d: (d / ".metadata").unlink(),
+        r"/\.metadata: missing \(listed in the checkpoint's stapo_complete\.json\)",
+    ),
     "extra": (lambda d: (d / "__7_0.distcp").write_bytes(b"x"), r"/__7_0\.distcp: not part of the checkpoint"),
-    "marker-not-json": (lambda d: (d / COMPLETE_MARKER).write_text('{"files": '), r"stapo_complete\.json: damaged completion marker"),
+    "marker-not-json": (
+        lambda d: (d / COMPLETE_MARKER).write_text('{"files": '),
+        r"stapo_complete\.json: damaged completion marker",
+    ),
     "marker-bad-list": (
         lambda d: (d / COMPLETE_MARKER).write_text(json.dumps({"files": {"../x": {"size": 1, HASH: "0" * 64}}})),
         r"stapo_complete\.json: malformed file list",
@@ -85,8 +97,16 @@ def test_checkpoint_from_before_checksums_loads_with_a_warning(checkpoint, capsy
 
 
 def test_shares_cover_every_file_once_and_keep_writers_files():
-    files = {"__0_0.distcp": 100, "__0_1.distcp": 90, "__1_0.distcp": 100, "__1_1.distcp": 80,
-             "common.pt": 5, ".metadata": 50, "metadata.json": 1, "hf_assets/tokenizer.json": 30}
+    files = {
+        "__0_0.distcp": 100,
+        "__0_1.distcp": 90,
+        "__1_0.distcp": 100,
+        "__1_1.distcp": 80,
+        "common.pt": 5,
+        ".metadata": 50,
+        "metadata.json": 1,
+        "hf_assets/tokenizer.json": 30,
+    }
     for world in (1, 2, 3, 8):
         for by_writer in (False, True):
             shares = assign_shares(files, world, by_writer)
@@ -144,7 +164,9 @@ def test_resume_with_only_damaged_checkpoints_is_refused(run_copy):
     _truncate(_data_file(checkpoints / "iter_0000001"))
     result = _resume(run_copy, 3)
     assert result.returncode != 0
-    assert "no intact checkpoint to resume from (2 damaged; newest iter_0000002:" in result.stderr, result.stderr[-3000:]
+    assert "no intact checkpoint to resume from (2 damaged; newest iter_0000002:" in result.stderr, result.stderr[
+        -3000:
+    ]
 
 
 def _rank_zero_checks_alone(run_dir: str, out: str) -> None:

@@ -60,7 +60,9 @@ def test_crafted_index_is_refused_in_process(checkpoint, tmp_path, stealth):
     flag = tmp_path / "pwned"
     payload = Stealth(read_metadata(checkpoint), flag) if stealth else Touch(flag)
     (checkpoint / ".metadata").write_bytes(pickle.dumps(payload))
-    with pytest.raises(ConfigError, match=r"\.metadata: refused to load: it refers to (posix\.system|operator\.itemgetter)") as err:
+    with pytest.raises(
+        ConfigError, match=r"\.metadata: refused to load: it refers to (posix\.system|operator\.itemgetter)"
+    ) as err:
         safe_load.read_dcp_metadata(checkpoint / ".metadata")
     _one_line(err)
     assert not flag.exists()
@@ -72,7 +74,9 @@ def test_crafted_common_state_is_refused(checkpoint, tmp_path, stealth):
     common = torch.load(checkpoint / "common.pt", weights_only=True)
     torch.save(Stealth(common, flag) if stealth else Touch(flag), checkpoint / "common.pt")
     rehash(checkpoint)
-    with pytest.raises(ConfigError, match=r"common\.pt: refused to load: .*(posix\.system|operator\.itemgetter)") as err:
+    with pytest.raises(
+        ConfigError, match=r"common\.pt: refused to load: .*(posix\.system|operator\.itemgetter)"
+    ) as err:
         load_common(checkpoint)
     _one_line(err)
     with pytest.raises(ConfigError, match=r"common\.pt: refused to load"):
@@ -85,7 +89,9 @@ def test_crafted_stored_object_is_refused(tmp_path):
     buffer = io.BytesIO()
     torch.save([Stealth({"python": (3, (1,), None)}, flag)], buffer)
     buffer.seek(0)
-    with pytest.raises(ConfigError, match=r"^x/__0_0\.distcp \(object rng_state\): refused to load: .*operator\.itemgetter"):
+    with pytest.raises(
+        ConfigError, match=r"^x/__0_0\.distcp \(object rng_state\): refused to load: .*operator\.itemgetter"
+    ):
         safe_load.load_stored_object(buffer, "x/__0_0.distcp (object rng_state)")
     assert not flag.exists()
 
@@ -101,7 +107,9 @@ def test_index_pointing_outside_the_checkpoint_is_refused(checkpoint):
     info = next(iter(metadata.storage_data.values()))
     info.relative_path = "../../../etc/passwd"
     (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
-    with pytest.raises(ConfigError, match=r"\.metadata: not a valid checkpoint index: .* outside the checkpoint directory"):
+    with pytest.raises(
+        ConfigError, match=r"\.metadata: not a valid checkpoint index: .* outside the checkpoint directory"
+    ):
         safe_load.read_dcp_metadata(checkpoint / ".metadata")
 
 
@@ -133,7 +141,10 @@ def test_convert_refuses_a_crafted_stored_object_even_a_stealthy_one(checkpoint,
     flag = tmp_path / "pwned"
     files = replace_object(checkpoint, "decoder.layers.mlp.linear_fc1._extra_state", lambda obj: Stealth(obj, flag))
     rehash(checkpoint)
-    with pytest.raises(ConfigError, match=r"iter_0000002/__\d_\d\.distcp \(object decoder\.layers\.mlp\.linear_fc1\._extra_state/shard_\d_\d\): refused to load") as err:
+    with pytest.raises(
+        ConfigError,
+        match=r"iter_0000002/__\d_\d\.distcp \(object decoder\.layers\.mlp\.linear_fc1\._extra_state/shard_\d_\d\): refused to load",
+    ) as err:
         convert_megatron_to_hf(checkpoint, tmp_path / "hf", tp=2, pp=1)
     message = _one_line(err)
     assert any(name in message for name in files)
@@ -146,12 +157,26 @@ def test_stapo_convert_cli_prints_one_line(checkpoint, tmp_path):
     torch.save(Stealth(common, flag), checkpoint / "common.pt")
     rehash(checkpoint)
     result = subprocess.run(
-        [sys.executable, "-m", "stapo_megatron.cli", "convert", "megatron-to-hf", "--ckpt", str(checkpoint), "--out", str(tmp_path / "hf")],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "stapo_megatron.cli",
+            "convert",
+            "megatron-to-hf",
+            "--ckpt",
+            str(checkpoint),
+            "--out",
+            str(tmp_path / "hf"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("stapo: error: ")]
-    assert len(errors) == 1 and "common.pt: refused to load: it refers to operator.itemgetter" in errors[0], result.stderr
+    assert len(errors) == 1 and "common.pt: refused to load: it refers to operator.itemgetter" in errors[0], (
+        result.stderr
+    )
     assert "Traceback" not in result.stderr
     assert not flag.exists()
 
@@ -167,7 +192,9 @@ def test_resume_refuses_crafted_rng_state(run_copy, tmp_path):
     rehash(checkpoint)
     result = subprocess.run(
         train_command(run_copy, "run.steps=3", "checkpoint.save_every=1", "checkpoint.keep_last=5"),
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode != 0
     assert "refused to load" in result.stderr and "(object rng_state/shard_" in result.stderr, result.stderr[-3000:]

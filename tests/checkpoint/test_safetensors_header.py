@@ -39,15 +39,21 @@ def refused(directory, pattern: str) -> str:
 
 
 def test_a_well_formed_file_reads_exactly(tmp_path):
-    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.arange(4, dtype=torch.int64),
-               "empty": torch.zeros(0, 5, dtype=torch.bfloat16), "scalar": torch.tensor(7, dtype=torch.int32)}
+    tensors = {
+        "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "b": torch.arange(4, dtype=torch.int64),
+        "empty": torch.zeros(0, 5, dtype=torch.bfloat16),
+        "scalar": torch.tensor(7, dtype=torch.int32),
+    }
     (tmp_path / "hf").mkdir()
     save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
     checkpoint = HFCheckpoint(tmp_path / "hf")
     for name, value in tensors.items():
         assert torch.equal(checkpoint.read(name), value), name
     write(tmp_path / "own", {"a": tensor(0, 16), "b": tensor(16, 32), "z": tensor(16, 16, shape=[0, 3])})
-    assert torch.equal(HFCheckpoint(tmp_path / "own").read("b"), torch.frombuffer(bytearray(DATA[16:]), dtype=torch.float32))
+    assert torch.equal(
+        HFCheckpoint(tmp_path / "own").read("b"), torch.frombuffer(bytearray(DATA[16:]), dtype=torch.float32)
+    )
 
 
 def test_overlapping_tensors(tmp_path):
@@ -56,36 +62,58 @@ def test_overlapping_tensors(tmp_path):
 
 
 def test_offsets_that_run_short_or_long_of_the_shape(tmp_path):
-    refused(write(tmp_path / "short", {"w": tensor(0, 8, shape=[4])}),
-            r"model\.safetensors: tensor w: data_offsets \[0, 8\] hold 8 bytes, but shape \[4\] of F32 needs 16")
-    refused(write(tmp_path / "long", {"w": tensor(0, 32, shape=[2, 2])}), r"tensor w: .* hold 32 bytes, but shape \[2, 2\] of F32 needs 16")
-    refused(write(tmp_path / "huge", {"w": tensor(0, 16, shape=[2**40, 2**40, 2**40])}), r"tensor w: .* needs more than the file holds")
+    refused(
+        write(tmp_path / "short", {"w": tensor(0, 8, shape=[4])}),
+        r"model\.safetensors: tensor w: data_offsets \[0, 8\] hold 8 bytes, but shape \[4\] of F32 needs 16",
+    )
+    refused(
+        write(tmp_path / "long", {"w": tensor(0, 32, shape=[2, 2])}),
+        r"tensor w: .* hold 32 bytes, but shape \[2, 2\] of F32 needs 16",
+    )
+    refused(
+        write(tmp_path / "huge", {"w": tensor(0, 16, shape=[2**40, 2**40, 2**40])}),
+        r"tensor w: .* needs more than the file holds",
+    )
 
 
 @pytest.mark.parametrize("offsets", [[0, 64], [-4, 12], [16, 8], [40, 48]])
 def test_offsets_outside_the_data(tmp_path, offsets):
     header = {"w": {"dtype": "U8", "shape": [max(offsets[1] - offsets[0], 0)], "data_offsets": offsets}}
-    refused(write(tmp_path / "hf", header), rf"tensor w: data_offsets \[{offsets[0]}, {offsets[1]}\] are outside the file's 32 data bytes")
+    refused(
+        write(tmp_path / "hf", header),
+        rf"tensor w: data_offsets \[{offsets[0]}, {offsets[1]}\] are outside the file's 32 data bytes",
+    )
 
 
 @pytest.mark.parametrize("offsets", [[0], [0, 16, 32], [0, "16"], [0.0, 16.0], [False, 16], "0-16", None])
 def test_offsets_that_are_not_two_integers(tmp_path, offsets):
-    refused(write(tmp_path / "hf", {"w": {"dtype": "F32", "shape": [4], "data_offsets": offsets}}), r"tensor w: data_offsets must be two integers")
+    refused(
+        write(tmp_path / "hf", {"w": {"dtype": "F32", "shape": [4], "data_offsets": offsets}}),
+        r"tensor w: data_offsets must be two integers",
+    )
 
 
 @pytest.mark.parametrize("shape", [[-1], [2, -2], "4", [4.0], [True], None, [1] * 65])
 def test_bad_shapes(tmp_path, shape):
-    refused(write(tmp_path / "hf", {"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 16]}}), r"tensor w: shape must be a list")
+    refused(
+        write(tmp_path / "hf", {"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 16]}}),
+        r"tensor w: shape must be a list",
+    )
 
 
 @pytest.mark.parametrize("dtype", ["F8_E4M3X", "float32", 4, None])
 def test_unknown_dtypes(tmp_path, dtype):
-    refused(write(tmp_path / "hf", {"w": {"dtype": dtype, "shape": [4], "data_offsets": [0, 16]}}), r"tensor w has unsupported dtype")
+    refused(
+        write(tmp_path / "hf", {"w": {"dtype": dtype, "shape": [4], "data_offsets": [0, 16]}}),
+        r"tensor w has unsupported dtype",
+    )
 
 
 def test_entries_that_are_not_tensor_descriptions(tmp_path):
     refused(write(tmp_path / "a", {"w": [0, 16]}), r"tensor w: needs dtype, shape and data_offsets")
-    refused(write(tmp_path / "b", {"w": {"dtype": "F32", "shape": [4]}}), r"tensor w: needs dtype, shape and data_offsets")
+    refused(
+        write(tmp_path / "b", {"w": {"dtype": "F32", "shape": [4]}}), r"tensor w: needs dtype, shape and data_offsets"
+    )
     refused(write(tmp_path / "c", {"__metadata__": [1], "w": tensor(0, 16)}), r"__metadata__ is not an object")
 
 
@@ -113,7 +141,9 @@ def test_file_shorter_than_the_length_field(tmp_path):
 def test_index_naming_files_elsewhere_or_not_json(tmp_path):
     directory = write(tmp_path / "hf", {"w": tensor(0, 16)})
     (directory / INDEX_FILE).write_text(json.dumps({"weight_map": {"w": "../elsewhere.safetensors"}}))
-    with pytest.raises(ConfigError, match=r"tensor w is mapped to '\.\./elsewhere\.safetensors', not a file of this directory"):
+    with pytest.raises(
+        ConfigError, match=r"tensor w is mapped to '\.\./elsewhere\.safetensors', not a file of this directory"
+    ):
         HFCheckpoint(directory)
     for text in ("{", "[1]", json.dumps({"weight_map": {"w": 3}})):
         (directory / INDEX_FILE).write_text(text)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from stapo_megatron.config import ConfigError, build, describe, load_config, read_yaml
+from stapo_megatron.config import ConfigError, describe, load_config, read_yaml
 from stapo_megatron.config.core import MAX_YAML_NODES, parse_override
 from stapo_megatron.models.qwen3.config import Qwen3Config
 from stapo_megatron.rewards.config import RewardConfig
@@ -30,11 +30,31 @@ def _error(overrides: list[str]) -> str:
 
 def test_the_field_lists_cover_the_config():
     # The parametrized tests below are generated from the config itself; make sure they see it all.
-    assert {"optim.lr", "optim.beta1", "optim.beta2", "optim.eps", "optim.weight_decay", "optim.clip_grad",
-            "batch.temperature", "algo.eps_high", "algo.entropy_coef", "model.rope_theta", "model.rms_norm_eps",
-            "reward.timeout_s", "reward.kill_grace_s", "algo.tau_h"} <= set(FLOAT_FIELDS)
-    assert {"data.synthetic_distractors", "batch.group_size", "batch.max_new_tokens", "model.vocab_size",
-            "reward.num_workers", "rollout.sglang.weight_bucket_bytes", "parallel.data_parallel"} <= set(INT_FIELDS)
+    assert {
+        "optim.lr",
+        "optim.beta1",
+        "optim.beta2",
+        "optim.eps",
+        "optim.weight_decay",
+        "optim.clip_grad",
+        "batch.temperature",
+        "algo.eps_high",
+        "algo.entropy_coef",
+        "model.rope_theta",
+        "model.rms_norm_eps",
+        "reward.timeout_s",
+        "reward.kill_grace_s",
+        "algo.tau_h",
+    } <= set(FLOAT_FIELDS)
+    assert {
+        "data.synthetic_distractors",
+        "batch.group_size",
+        "batch.max_new_tokens",
+        "model.vocab_size",
+        "reward.num_workers",
+        "rollout.sglang.weight_bucket_bytes",
+        "parallel.data_parallel",
+    } <= set(INT_FIELDS)
 
 
 @pytest.mark.parametrize("field", FLOAT_FIELDS)
@@ -86,8 +106,10 @@ def test_declared_ranges_name_the_field_and_the_bound(override, message):
         ("batch.max_new_tokens=1000000000", "batch.max_new_tokens: must be <= 1048576, got 1000000000"),
         ("batch.group_size=100000", "batch.group_size: must be <= 4096, got 100000"),
         ("model.vocab_size=1.0e+12", "model.vocab_size: must be <= 4194304, got 1000000000000"),
-        ("rollout.sglang.weight_bucket_bytes=1.0e+15", "rollout.sglang.weight_bucket_bytes: must be <= 1099511627776, "
-         "got 1000000000000000"),
+        (
+            "rollout.sglang.weight_bucket_bytes=1.0e+15",
+            "rollout.sglang.weight_bucket_bytes: must be <= 1099511627776, got 1000000000000000",
+        ),
         ("parallel.tensor_parallel=1000000", "parallel.tensor_parallel: must be <= 65536, got 1000000"),
         ("reward.max_answer_chars=100000000", "reward.max_answer_chars: must be <= 1048576, got 100000000"),
     ],
@@ -97,8 +119,11 @@ def test_size_fields_have_an_upper_bound(override, message):
 
 
 def test_cross_section_sizes_are_bounded_before_anything_starts():
-    cfg = load_config(TrainConfig, None, ["batch.prompts_per_step=65536", "batch.prompts_per_minibatch=65536",
-                                          "batch.group_size=4096"])
+    cfg = load_config(
+        TrainConfig,
+        None,
+        ["batch.prompts_per_step=65536", "batch.prompts_per_minibatch=65536", "batch.group_size=4096"],
+    )
     with pytest.raises(ConfigError, match=r"^batch.group_size: prompts_per_step x group_size = 268435456 responses"):
         check_train_config(cfg, files=False)
     cfg = load_config(TrainConfig, None, [f"parallel.{name}=1024" for name in ("tensor_parallel", "data_parallel")])
@@ -154,8 +179,11 @@ def test_duplicate_keys_are_an_error_naming_key_and_line(tmp_path):
     path.write_text("optim:\n  lr: 1.0e-6\n  beta1: 0.9\n  lr: 2.0e-6\n")
     with pytest.raises(ConfigError, match=r"duplicate key 'lr' \(line 4\)$"):
         load_config(TrainConfig, path)
-    with pytest.raises(ConfigError, match=r"^override 'data.chat_template_kwargs': value is not valid YAML: "
-                                          r"duplicate key 'a' \(line 1\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^override 'data.chat_template_kwargs': value is not valid YAML: "
+        r"duplicate key 'a' \(line 1\)$",
+    ):
         parse_override("data.chat_template_kwargs={a: 1, a: 2}")
     # Merge keys override on purpose: not duplicates.
     path.write_text("base: &base {lr: 1.0e-6, beta1: 0.9}\noptim:\n  <<: *base\n  lr: 3.0e-6\n")
@@ -178,9 +206,14 @@ def test_an_alias_bomb_is_refused_before_it_expands(tmp_path):
     with pytest.raises(ConfigError, match=r"an alias refers to a node that contains it \(line 1\)$"):
         read_yaml(path)
     with pytest.raises(ConfigError, match=r"^override 'data.chat_template_kwargs': value is not valid YAML: aliases"):
-        parse_override("data.chat_template_kwargs={" + ", ".join(
-            [f"l0: &l0 [{', '.join(['x'] * 10)}]"]
-            + [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 6)]) + "}")
+        parse_override(
+            "data.chat_template_kwargs={"
+            + ", ".join(
+                [f"l0: &l0 [{', '.join(['x'] * 10)}]"]
+                + [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 6)]
+            )
+            + "}"
+        )
     # Aliases within the bound still work.
     path.write_text("x: &x {a: 1}\ny: [*x, *x]\n")
     assert read_yaml(path)["y"] == [{"a": 1}, {"a": 1}]
@@ -207,7 +240,12 @@ def test_stapo_config_reports_a_duplicate_key_in_one_line(tmp_path):
     path = tmp_path / "dup.yaml"
     path.write_text("run:\n  name: kept\nrun:\n  steps: 2\n")
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    result = subprocess.run([sys.executable, "-m", "stapo_megatron.cli", "config", "--config", str(path)],
-                            capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "stapo_megatron.cli", "config", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == f"stapo: error: config file {path} is not valid YAML: duplicate key 'run' (line 3)\n"

@@ -36,7 +36,9 @@ def test_secret_fields_are_declared_once_and_redacted():
     assert secret_fields(TrainConfig) == ["rollout.sglang.env", "rollout.sglang.api_key"]
     cfg = load_config(TrainConfig, None, SECRETS)
     plain, shown = to_dict(cfg), to_dict(cfg, redact=True)
-    assert plain["rollout"]["sglang"]["api_key"] == API_KEY and plain["rollout"]["sglang"]["env"]["HF_TOKEN"] == HF_TOKEN
+    assert (
+        plain["rollout"]["sglang"]["api_key"] == API_KEY and plain["rollout"]["sglang"]["env"]["HF_TOKEN"] == HF_TOKEN
+    )
     assert shown["rollout"]["sglang"]["api_key"] == "<redacted>"
     assert shown["rollout"]["sglang"]["env"] == {"HF_TOKEN": "<redacted>", "NCCL_DEBUG": "<redacted>"}
     # everything else is shown as it is
@@ -62,8 +64,10 @@ def test_a_redacted_config_is_refused_as_input(tmp_path):
     written.write_text(yaml.safe_dump(to_dict(load_config(TrainConfig, None, SECRETS), redact=True)))
     with pytest.raises(ConfigError) as info:
         load_config(TrainConfig, written)
-    assert str(info.value) == ("rollout.sglang.env.HF_TOKEN: is '<redacted>' (copied from a written config, where "
-                               "secrets are hidden); give the real value or leave it unset")
+    assert str(info.value) == (
+        "rollout.sglang.env.HF_TOKEN: is '<redacted>' (copied from a written config, where "
+        "secrets are hidden); give the real value or leave it unset"
+    )
     with pytest.raises(ConfigError, match=r"^rollout\.sglang\.api_key: is '<redacted>' "):
         load_config(TrainConfig, written, ["rollout.sglang.env={}"])
     # the real values given again: the run resumes with them

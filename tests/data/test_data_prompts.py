@@ -75,7 +75,9 @@ def test_synthetic_tokenizer_is_a_hugging_face_tokenizer(tmp_path):
     assert ids == [tok.bos_token_id, 6, 13, 7, 14]
     assert tok("3 + 4 =", add_special_tokens=False)["input_ids"] == ids[1:]
     assert tok.decode(ids, skip_special_tokens=True) == "3 + 4 ="
-    assert tok.decode([tok.convert_tokens_to_ids("w17"), 10, tok.eos_token_id], skip_special_tokens=False) == "w17 7 <eos>"
+    assert (
+        tok.decode([tok.convert_tokens_to_ids("w17"), 10, tok.eos_token_id], skip_special_tokens=False) == "w17 7 <eos>"
+    )
     assert tok.convert_ids_to_tokens([10, 255]) == ["7", "w240"]
     every = list(range(3, len(tok)))
     assert tok(tok.decode(every), add_special_tokens=False)["input_ids"] == every
@@ -113,8 +115,12 @@ def test_synthetic_task_through_the_same_record_type():
     text = response_text(tok, [*free, five, eos], "stop")
     assert text == "w17 w203 5"
     pool = RewardPool(kind="free_words")
-    responses = [text, response_text(tok, [five, *free], "length"), response_text(tok, [*free, five - 1], "length"),
-                 response_text(tok, [five, five], "length")]
+    responses = [
+        text,
+        response_text(tok, [five, *free], "length"),
+        response_text(tok, [*free, five - 1], "length"),
+        response_text(tok, [five, five], "length"),
+    ]
     results = pool.score(responses, [item.record.answer] * 4)
     assert [(r.reward, r.extracted) for r in results] == [(1.0, "5"), (0.0, None), (0.0, "4"), (0.0, None)]
     pool.close()

@@ -32,7 +32,11 @@ def qwen3_tokenizer(tokenizer_dir):
 def tiny_model(tmp_path_factory, tokenizer_dir):
     """A random Qwen3 with the real vocabulary (151,936 rows) and tiny hidden sizes, with the Qwen3 tokenizer."""
     directory = save_tiny_qwen3(
-        tmp_path_factory.mktemp("model") / "tiny-qwen3", tie=True, seed=3, vocab_size=151936, max_position_embeddings=4096
+        tmp_path_factory.mktemp("model") / "tiny-qwen3",
+        tie=True,
+        seed=3,
+        vocab_size=151936,
+        max_position_embeddings=4096,
     )
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer_dir / name, directory / name)

@@ -32,8 +32,14 @@ def error_line(capsys, args) -> str:
         (["--limit", "-1"], "--limit: must be >= 0, got -1"),
         (["--max-new-tokens", "0"], "--max-new-tokens: must be >= 1, got 0"),
         (["--problems-per-call", "-2"], "--problems-per-call: must be >= 0, got -2"),
-        (["--template", "nope"], "--template: prompt template 'nope' is not known and does not contain {problem} (known: stapo, raw)"),
-        (["--chat-template-kwargs", "[1, 2]"], "--chat-template-kwargs: '[1, 2]' is not a mapping (e.g. '{enable_thinking: false}')"),
+        (
+            ["--template", "nope"],
+            "--template: prompt template 'nope' is not known and does not contain {problem} (known: stapo, raw)",
+        ),
+        (
+            ["--chat-template-kwargs", "[1, 2]"],
+            "--chat-template-kwargs: '[1, 2]' is not a mapping (e.g. '{enable_thinking: false}')",
+        ),
         (["--reward-workers", "0"], "--reward-workers: must be >= 1, got 0"),
     ],
 )
@@ -50,7 +56,10 @@ def test_path_errors(capsys, tmp_path, eval_data_dir, tiny_model):
     assert error_line(capsys, ["--model", str(tiny_model), "--data-dir", str(tmp_path / "none")]) == (
         f"stapo: error: --data-dir: {tmp_path / 'none'} is not a directory"
     )
-    assert error_line(capsys, ["--model", str(tmp_path / "none"), *base]) == f"stapo: error: --model: {tmp_path / 'none'} does not exist"
+    assert (
+        error_line(capsys, ["--model", str(tmp_path / "none"), *base])
+        == f"stapo: error: --model: {tmp_path / 'none'} does not exist"
+    )
     assert error_line(capsys, ["--model", str(tmp_path), *base]) == (
         f"stapo: error: --model: {tmp_path} is neither a Hugging Face checkpoint (config.json and safetensors) nor a "
         "complete stapo Megatron checkpoint (with stapo_complete.json)"
@@ -71,10 +80,19 @@ def test_path_errors(capsys, tmp_path, eval_data_dir, tiny_model):
     partial = tmp_path / "partial-data"
     partial.mkdir()
     shutil.copy(eval_data_dir / "aime24.jsonl", partial)
-    assert error_line(capsys, ["--model", str(tiny_model), "--data-dir", str(partial), "--benchmarks", "aime24,amc23",
-                               "--out", str(tmp_path / "out")]) == (
-        f"stapo: error: --data-dir: benchmark amc23: {partial / 'amc23.jsonl'} does not exist"
-    )
+    assert error_line(
+        capsys,
+        [
+            "--model",
+            str(tiny_model),
+            "--data-dir",
+            str(partial),
+            "--benchmarks",
+            "aime24,amc23",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+    ) == (f"stapo: error: --data-dir: benchmark amc23: {partial / 'amc23.jsonl'} does not exist")
     assert not (tmp_path / "out").exists()
 
 

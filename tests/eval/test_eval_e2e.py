@@ -41,8 +41,21 @@ def cli_run(tmp_path_factory, tiny_model, eval_data_dir):
     """``stapo eval`` in a process of its own over every benchmark file, 3 problems each, k = 2."""
     out = tmp_path_factory.mktemp("cli") / "out"
     command = [
-        sys.executable, "-m", "stapo_megatron.cli", "eval", "--model", str(tiny_model), "--data-dir", str(eval_data_dir),
-        "--benchmarks", ",".join(ALL), "--limit", "3", "--out", str(out), *COMMON,
+        sys.executable,
+        "-m",
+        "stapo_megatron.cli",
+        "eval",
+        "--model",
+        str(tiny_model),
+        "--data-dir",
+        str(eval_data_dir),
+        "--benchmarks",
+        ",".join(ALL),
+        "--limit",
+        "3",
+        "--out",
+        str(out),
+        *COMMON,
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -61,7 +74,9 @@ def test_every_benchmark_file_loads_and_scores(cli_run, eval_data_dir):
     assert len(records) == len(ALL) * 3 * 2
     for name, score in results["benchmarks"].items():
         mine = [r for r in records.values() if r["benchmark"] == name]
-        assert sorted((r["uid"], r["sample"]) for r in mine) == [(f"{name}:{row}", s) for row in (1, 2, 3) for s in (0, 1)]
+        assert sorted((r["uid"], r["sample"]) for r in mine) == [
+            (f"{name}:{row}", s) for row in (1, 2, 3) for s in (0, 1)
+        ]
         assert (score["k"], score["problems"], score["samples"]) == (2, 3, 6)
         assert score["problems_total"] == ROWS[name]
         assert score["avg@k"] == pytest.approx(sum(r["reward"] for r in mine) / 6)
@@ -95,7 +110,7 @@ def test_resume_after_an_interruption_gives_the_uninterrupted_result(cli_run, tm
     lines = (out / "responses.jsonl").read_text().splitlines(keepends=True)
     # Killed mid-line, mid-problem: olympiadbench's third problem has one of its two samples.
     (resumed / "responses.jsonl").write_text("".join(lines[:35]) + lines[35][:50])
-    args = command[command.index("eval"):]
+    args = command[command.index("eval") :]
     args[args.index("--out") + 1] = str(resumed)
     assert main(args) == 0
     assert (resumed / "results.json").read_text() == (out / "results.json").read_text()
@@ -104,7 +119,7 @@ def test_resume_after_an_interruption_gives_the_uninterrupted_result(cli_run, tm
 
 def test_other_settings_in_the_output_directory_are_refused_before_any_model_loads(cli_run, capsys):
     out, command, _ = cli_run
-    args = command[command.index("eval"):]
+    args = command[command.index("eval") :]
     args[args.index("--max-new-tokens") + 1] = "5"
     assert main(args) == 2
     expected = (
@@ -121,8 +136,22 @@ def test_a_megatron_checkpoint_is_exported_and_evaluated_like_its_source(cli_run
     ckpt = convert_hf_to_megatron(tiny_model, tmp_path / "mg")
     assert (ckpt / "hf_assets" / "tokenizer.json").is_file()
     export_dir = tmp_path / "export"
-    args = ["eval", "--model", str(ckpt), "--data-dir", str(eval_data_dir), "--benchmarks", "aime24,minerva",
-            "--limit", "2", "--out", str(tmp_path / "out"), "--export-dir", str(export_dir), *COMMON]
+    args = [
+        "eval",
+        "--model",
+        str(ckpt),
+        "--data-dir",
+        str(eval_data_dir),
+        "--benchmarks",
+        "aime24,minerva",
+        "--limit",
+        "2",
+        "--out",
+        str(tmp_path / "out"),
+        "--export-dir",
+        str(export_dir),
+        *COMMON,
+    ]
     assert main(args) == 0
     # The same weights, prompts and seeds: the same responses as the Hugging Face source gave.
     reference = read_records(cli_run[0])
@@ -152,8 +181,14 @@ def test_evaluation_inside_training(cli_run, tiny_model, qwen3_tokenizer, eval_d
     load_hf_weights(engine, tiny_model, arch)
     eval_cfg = EvalConfig(every=5, benchmarks=["aime24", "olympiadbench"], data_dir=str(eval_data_dir), k=2, limit=2)
     # The trainer's own call; its reward kind (exact, for the synthetic task) must not reach math benchmarks.
-    evaluator = Evaluator(engine, qwen3_tokenizer, eval_cfg, DataConfig(source="train.parquet"),
-                          RewardConfig(kind="exact", num_workers=1), default_max_new_tokens=4)
+    evaluator = Evaluator(
+        engine,
+        qwen3_tokenizer,
+        eval_cfg,
+        DataConfig(source="train.parquet"),
+        RewardConfig(kind="exact", num_workers=1),
+        default_max_new_tokens=4,
+    )
     metrics = evaluator.evaluate_in_training(5, tmp_path / "run")
     directory = tmp_path / "run" / "eval" / "step_0000005"
     results = json.loads((directory / "results.json").read_text())
@@ -168,22 +203,48 @@ def test_evaluation_inside_training(cli_run, tiny_model, qwen3_tokenizer, eval_d
     reference = read_records(cli_run[0])
     records = read_records(directory)
     assert len(records) == 8 and all(record == reference[key] for key, record in records.items())
-    assert (directory / "table.md").read_text().splitlines()[0] == "| Model | Decoding | AIME24 | OlympiadBench | Avg. |"
+    assert (directory / "table.md").read_text().splitlines()[
+        0
+    ] == "| Model | Decoding | AIME24 | OlympiadBench | Avg. |"
 
 
 def test_the_sglang_engine_gets_the_model_directory(tiny_model, eval_data_dir, tmp_path, capsys):
     record_dir = tmp_path / "requests"
     record_dir.mkdir()
     config = tmp_path / "rollout.yaml"
-    config.write_text(json.dumps({"sglang": {
-        # started as sglang.launch_server is: through the wrapper that hands it the API key
-        "server_command": [sys.executable, "-m", "stapo_megatron.rollout.sglang_launch", str(FAKE_SGLANG)],
-        "startup_timeout_s": 60, "shutdown_grace_s": 3,
-        "env": {"FAKE_SGLANG_RECORD_DIR": str(record_dir)},
-    }}))
-    args = ["eval", "--model", str(tiny_model), "--data-dir", str(eval_data_dir), "--benchmarks", "aime24,math500",
-            "--limit", "3", "--engine", "sglang", "--rollout-config", str(config), "--decoding", "justrl",
-            "--out", str(tmp_path / "out"), *COMMON]
+    config.write_text(
+        json.dumps(
+            {
+                "sglang": {
+                    # started as sglang.launch_server is: through the wrapper that hands it the API key
+                    "server_command": [sys.executable, "-m", "stapo_megatron.rollout.sglang_launch", str(FAKE_SGLANG)],
+                    "startup_timeout_s": 60,
+                    "shutdown_grace_s": 3,
+                    "env": {"FAKE_SGLANG_RECORD_DIR": str(record_dir)},
+                }
+            }
+        )
+    )
+    args = [
+        "eval",
+        "--model",
+        str(tiny_model),
+        "--data-dir",
+        str(eval_data_dir),
+        "--benchmarks",
+        "aime24,math500",
+        "--limit",
+        "3",
+        "--engine",
+        "sglang",
+        "--rollout-config",
+        str(config),
+        "--decoding",
+        "justrl",
+        "--out",
+        str(tmp_path / "out"),
+        *COMMON,
+    ]
     assert main(args) == 0
     assert "| tiny-qwen3 | T=0.7, top-p=0.9 |" in capsys.readouterr().out
     requests = [json.loads(line) for f in record_dir.glob("*.jsonl") for line in f.read_text().splitlines()]

@@ -21,7 +21,9 @@ from stapo_megatron.rewards import REASONS, RewardConfig
 from tests.eval.scripted import ScriptedEngine
 from tests.fixtures import ROWS
 
-SAMPLING = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=64, stop_token_ids=(151645,), seed=0, problems_per_call=8)
+SAMPLING = Sampling(
+    temperature=1.0, top_p=1.0, max_new_tokens=64, stop_token_ids=(151645,), seed=0, problems_per_call=8
+)
 SETTINGS = {"model": "scripted", "engine": "scripted"}
 TRAIN = {"preset": "train", "temperature": 1.0, "top_p": 1.0}
 JUSTRL = {"preset": "justrl", "temperature": 0.7, "top_p": 0.9}
@@ -65,7 +67,12 @@ def test_scores_match_the_known_answers(paper_run):
         problems = ROWS[name]
         counts = [aime_correct(name, i) for i in range(problems)]
         score = results["benchmarks"][name]
-        assert (score["k"], score["problems"], score["problems_total"], score["samples"]) == (32, problems, problems, 32 * problems)
+        assert (score["k"], score["problems"], score["problems_total"], score["samples"]) == (
+            32,
+            problems,
+            problems,
+            32 * problems,
+        )
         expected_avg[name] = sum(c / 32 for c in counts) / problems
         assert score["avg@k"] == pytest.approx(expected_avg[name], rel=1e-12)
         assert list(score["pass@k"]) == ["1", "2", "4", "8", "16", "32"]
@@ -74,7 +81,11 @@ def test_scores_match_the_known_answers(paper_run):
         assert score["pass@k"]["1"] == pytest.approx(score["avg@k"], rel=1e-12)
         # The wrong responses are the "length" ones, and have no box.
         assert score["truncated"] == pytest.approx(1 - expected_avg[name], rel=1e-12)
-        assert score["reasons"] == {**dict.fromkeys(REASONS, 0), "correct": sum(counts), "no_box": 32 * problems - sum(counts)}
+        assert score["reasons"] == {
+            **dict.fromkeys(REASONS, 0),
+            "correct": sum(counts),
+            "no_box": 32 * problems - sum(counts),
+        }
     assert results["average"]["avg@k"] == pytest.approx((expected_avg["aime24"] + expected_avg["amc23"]) / 2, rel=1e-12)
 
     metrics = results["metrics"]
@@ -95,9 +106,18 @@ def test_scores_match_the_known_answers(paper_run):
     first = next(r for r in records if r["uid"] == "aime24:2" and r["sample"] == 3)
     seed = group_seed(0, "aime24", "aime24:1")  # aime24:2 is in the group of 8 that aime24:1 starts
     assert first == {
-        "benchmark": "aime24", "uid": "aime24:2", "row": 2, "sample": 3, "seed": seed, "answer": first["answer"],
-        "response": f"Seed {seed}, sample 3: the answer is \\boxed{{{first['answer']}}}.", "extracted": first["answer"],
-        "reward": 1.0, "reason": "correct", "finish_reason": "stop", "tokens": first["tokens"],
+        "benchmark": "aime24",
+        "uid": "aime24:2",
+        "row": 2,
+        "sample": 3,
+        "seed": seed,
+        "answer": first["answer"],
+        "response": f"Seed {seed}, sample 3: the answer is \\boxed{{{first['answer']}}}.",
+        "extracted": first["answer"],
+        "reward": 1.0,
+        "reason": "correct",
+        "finish_reason": "stop",
+        "tokens": first["tokens"],
     }
 
 
@@ -133,7 +153,10 @@ def test_compare_prints_one_table_across_runs(paper_run, tmp_path, qwen3_tokeniz
 
 def test_compare_names_a_directory_without_results(tmp_path, capsys):
     assert main(["eval", "--compare", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.strip() == f"stapo: error: --compare: {tmp_path} has no results.json (not a finished evaluation)"
+    assert (
+        capsys.readouterr().err.strip()
+        == f"stapo: error: --compare: {tmp_path} has no results.json (not a finished evaluation)"
+    )
 
 
 def test_resume_samples_only_the_missing_groups_with_the_same_seeds(tmp_path, qwen3_tokenizer, eval_data_dir):
@@ -199,5 +222,7 @@ def test_a_tokenizer_that_cannot_encode_the_benchmarks_is_a_config_error(eval_da
     from stapo_megatron.data.synthetic import synthetic_tokenizer
 
     # The synthetic task's word-level tokenizer has no unknown token: a word outside it fails.
-    with pytest.raises(ConfigError, match=r"^benchmarks: aime24: the tokenizer cannot encode its prompts \(WordLevel error"):
+    with pytest.raises(
+        ConfigError, match=r"^benchmarks: aime24: the tokenizer cannot encode its prompts \(WordLevel error"
+    ):
         tasks_for(synthetic_tokenizer(5), eval_data_dir, ["aime24"], limit=1)

@@ -8,7 +8,13 @@ import json
 import pytest
 
 from stapo_megatron.config import ConfigError
-from stapo_megatron.experiment.entropy import BASE_CONFIG, FREE_WORDS_TASK, SETTINGS_FILE, EntropyExperiment, run_experiment
+from stapo_megatron.experiment.entropy import (
+    BASE_CONFIG,
+    FREE_WORDS_TASK,
+    SETTINGS_FILE,
+    EntropyExperiment,
+    run_experiment,
+)
 from stapo_megatron.experiment.report import TABLE_FILE, write_comparison
 from stapo_megatron.trainer.launcher import default_config_path
 
@@ -18,8 +24,14 @@ STEPS = 20  # the start and end windows are 2 steps
 def rising_run() -> list[dict]:
     """Accuracy i/20, entropy falling by 0.05 a step from 2.0, masked 0.1% on even steps, 5 tokens."""
     return [
-        {"step": i, "reward/accuracy": i / 20, "policy/entropy": 2.0 - 0.05 * (i - 1),
-         "s2t/masked_fraction": 0.001 if i % 2 == 0 else 0.0, "response/length_mean": 5.0, "time/step": 1.5}
+        {
+            "step": i,
+            "reward/accuracy": i / 20,
+            "policy/entropy": 2.0 - 0.05 * (i - 1),
+            "s2t/masked_fraction": 0.001 if i % 2 == 0 else 0.0,
+            "response/length_mean": 5.0,
+            "time/step": 1.5,
+        }
         for i in range(1, STEPS + 1)
     ]
 
@@ -27,28 +39,66 @@ def rising_run() -> list[dict]:
 def flat_run() -> list[dict]:
     """Accuracy 0.5, entropy 1.0, 80% masked, length i."""
     return [
-        {"step": i, "reward/accuracy": 0.5, "policy/entropy": 1.0, "s2t/masked_fraction": 0.8,
-         "response/length_mean": float(i), "time/step": 2.0}
+        {
+            "step": i,
+            "reward/accuracy": 0.5,
+            "policy/entropy": 1.0,
+            "s2t/masked_fraction": 0.8,
+            "response/length_mean": float(i),
+            "time/step": 2.0,
+        }
         for i in range(1, STEPS + 1)
     ]
 
 
 def table_rows(path) -> dict[str, list[str]]:
-    rows = [line.strip("|").split("|") for line in path.read_text().splitlines() if line.startswith("| ") and "---" not in line]
+    rows = [
+        line.strip("|").split("|")
+        for line in path.read_text().splitlines()
+        if line.startswith("| ") and "---" not in line
+    ]
     return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows[1:]}
 
 
 def test_table_and_figures_from_metrics(tmp_path):
     files = write_comparison(tmp_path, [("rising", rising_run()), ("flat", flat_run())], {"flat": 123.4}, ["# heading"])
-    assert [f.name for f in files] == [TABLE_FILE, "entropy.png", "accuracy.png", "masked_fraction.png", "response_length.png"]
+    assert [f.name for f in files] == [
+        TABLE_FILE,
+        "entropy.png",
+        "accuracy.png",
+        "masked_fraction.png",
+        "response_length.png",
+    ]
     for figure in files[1:]:
         assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure.stat().st_size > 10_000
     rows = table_rows(tmp_path / TABLE_FILE)
     # final: mean of 19/20 and 20/20; entropy start mean(2.0, 1.95), end mean(1.1, 1.05), -45.6%;
     # masked: mean 0.05%, max 0.1%; wall: no recorded time, so the steps' 20 x 1.5 s.
-    assert rows["rising"] == ["20", "0.975", "0.975", "1.975", "1.075", "falling (-46%)", "0.050%", "0.100%", "5.00", "30"]
+    assert rows["rising"] == [
+        "20",
+        "0.975",
+        "0.975",
+        "1.975",
+        "1.075",
+        "falling (-46%)",
+        "0.050%",
+        "0.100%",
+        "5.00",
+        "30",
+    ]
     # the recorded wall time wins over the steps' 40 s; length end: mean(19, 20).
-    assert rows["flat"] == ["20", "0.500", "0.500", "1.000", "1.000", "flat (+0%)", "80.000%", "80.000%", "19.50", "123"]
+    assert rows["flat"] == [
+        "20",
+        "0.500",
+        "0.500",
+        "1.000",
+        "1.000",
+        "flat (+0%)",
+        "80.000%",
+        "80.000%",
+        "19.50",
+        "123",
+    ]
     text = (tmp_path / TABLE_FILE).read_text()
     assert text.startswith("# heading\n") and "![policy entropy of response tokens (nats)](entropy.png)" in text
 
@@ -71,8 +121,16 @@ def test_bad_options_fail_before_any_run(tmp_path):
 
 
 def test_each_run_is_the_same_train_run_but_for_the_preset(tmp_path):
-    plans = EntropyExperiment(tmp_path, algos=("grpo", "dapo"), steps=7, seed=3, overrides=("batch.max_new_tokens=10",)).run_overrides()
-    common = ["batch.max_new_tokens=10", "run.steps=7", "run.seed=3", "parallel.tensor_parallel=1", "logging.progress_bar=false"]
+    plans = EntropyExperiment(
+        tmp_path, algos=("grpo", "dapo"), steps=7, seed=3, overrides=("batch.max_new_tokens=10",)
+    ).run_overrides()
+    common = [
+        "batch.max_new_tokens=10",
+        "run.steps=7",
+        "run.seed=3",
+        "parallel.tensor_parallel=1",
+        "logging.progress_bar=false",
+    ]
     for algo, overrides in plans.items():
         assert set(common) <= set(overrides)
         assert f"algo={algo}" in overrides and f"run.output_dir={tmp_path / algo}" in overrides
@@ -86,8 +144,10 @@ def test_finished_runs_are_not_run_again_and_settings_must_match(tmp_path, capsy
         (tmp_path / algo).mkdir()
         (tmp_path / algo / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "stapo" / "spurious").mkdir()
-    (tmp_path / "stapo" / "spurious" / "step_0000010.jsonl").write_text(json.dumps(
-        {"step": 10, "token": "7", "probability": 1e-3, "entropy": 0.2, "before": "3 + 4 =", "after": ""}) + "\n")
+    (tmp_path / "stapo" / "spurious" / "step_0000010.jsonl").write_text(
+        json.dumps({"step": 10, "token": "7", "probability": 1e-3, "entropy": 0.2, "before": "3 + 4 =", "after": ""})
+        + "\n"
+    )
     experiment = EntropyExperiment(tmp_path, algos=("grpo", "stapo"), steps=STEPS)
     files = run_experiment(experiment)  # would start `stapo train` for an unfinished run
     out = capsys.readouterr().out

@@ -19,8 +19,21 @@ STEPS = 3
 def test_two_algorithms_then_resume(tmp_path):
     out = tmp_path / "experiment"
     command = [
-        sys.executable, "-m", "stapo_megatron.cli", "experiment", "entropy", "--steps", str(STEPS), "--algos", "dapo,stapo",
-        "--out", str(out), "--parallel", "2", "logging.tensorboard=false", "checkpoint.save_every=0",
+        sys.executable,
+        "-m",
+        "stapo_megatron.cli",
+        "experiment",
+        "entropy",
+        "--steps",
+        str(STEPS),
+        "--algos",
+        "dapo,stapo",
+        "--out",
+        str(out),
+        "--parallel",
+        "2",
+        "logging.tensorboard=false",
+        "checkpoint.save_every=0",
     ]
     first = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]

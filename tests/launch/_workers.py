@@ -17,19 +17,40 @@ from stapo_megatron.models.qwen3.config import Qwen3Config
 # Activations: a small Qwen3 whose terms all differ (h != q != f, grouped-query attention) and
 # whose vocabulary makes the logits a visible part of the peak.
 ACT_ARCH = Qwen3Config(
-    vocab_size=4096, hidden_size=192, intermediate_size=640, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=False,
+    vocab_size=4096,
+    hidden_size=192,
+    intermediate_size=640,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
 )
 ACT_SEQ, ACT_BATCH, ACT_CHUNK = 256, 2, 256
 # (tensor_parallel, recompute, sequence_parallel) cases of the activation measurement, fp32 (bf16
 # matmuls are slow on CPU).
-ACT_CASES = [(1, "none", False), (1, "selective", False), (1, "full", False), (2, "none", False), (2, "full", False),
-             (2, "none", True), (2, "selective", True)]
+ACT_CASES = [
+    (1, "none", False),
+    (1, "selective", False),
+    (1, "full", False),
+    (2, "none", False),
+    (2, "full", False),
+    (2, "none", True),
+    (2, "selective", True),
+]
 
 # Optimizer state: tied embeddings, so pipeline stages get the shared-embedding bucket.
 OPT_ARCH = Qwen3Config(
-    vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True,
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
 )
 # (tensor, pipeline, data parallel, dtype) layouts of a 2-process world.
 OPT_CASES = [(1, 1, 2, "bfloat16"), (1, 2, 1, "bfloat16"), (2, 1, 1, "float32"), (1, 1, 2, "float32")]
@@ -67,33 +88,59 @@ def measure_all(out: str) -> None:
     for tp, recompute, sp in ACT_CASES:
         _init(tp, 1, world // tp)
         peak = activation_peak(
-            ACT_ARCH, seq_len=ACT_SEQ, micro_batch=ACT_BATCH, recompute=recompute, sequence_parallel=sp,
-            params_dtype=torch.float32, logits_chunk=ACT_CHUNK,
+            ACT_ARCH,
+            seq_len=ACT_SEQ,
+            micro_batch=ACT_BATCH,
+            recompute=recompute,
+            sequence_parallel=sp,
+            params_dtype=torch.float32,
+            logits_chunk=ACT_CHUNK,
         )
         result["activations"].append({"tp": tp, "recompute": recompute, "sequence_parallel": sp, "peak": peak})
     for tp, pp, dp, dtype in OPT_CASES:
         _init(tp, pp, dp)
         found = optimizer_footprint(OPT_ARCH, params_dtype=getattr(torch, dtype))
-        found.update(tp=tp, pp=pp, dp=dp, dtype=dtype, stage=ps.get_pipeline_model_parallel_rank(),
-                     dp_rank=ps.get_data_parallel_rank())
+        found.update(
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            dtype=dtype,
+            stage=ps.get_pipeline_model_parallel_rank(),
+            dp_rank=ps.get_data_parallel_rank(),
+        )
         result["optimizer"].append(found)
     for preset, tp, pp in REAL_META_CASES:
         _init(tp, pp, world // (tp * pp))
         arch = build(Qwen3Config, preset)
         with torch.device("meta"):
-            config = transformer_config(arch, tensor_parallel=tp, pipeline_parallel=pp, params_dtype=torch.bfloat16,
-                                        perform_initialization=False, use_cpu_initialization=True)
-            model = build_gpt_model(arch, config, pre_process=ps.is_pipeline_first_stage(),
-                                    post_process=ps.is_pipeline_last_stage())
+            config = transformer_config(
+                arch,
+                tensor_parallel=tp,
+                pipeline_parallel=pp,
+                params_dtype=torch.bfloat16,
+                perform_initialization=False,
+                use_cpu_initialization=True,
+            )
+            model = build_gpt_model(
+                arch, config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage()
+            )
         stage = ps.get_pipeline_model_parallel_rank()
-        result["real_meta"].append({
-            "preset": preset, "tp": tp, "pp": pp, "stage": stage, "real": stage_signature(model),
-            "stand_in": stage_signature(meta_stage(arch, tp, pp, stage)),
-        })
+        result["real_meta"].append(
+            {
+                "preset": preset,
+                "tp": tp,
+                "pp": pp,
+                "stage": stage,
+                "real": stage_signature(model),
+                "stand_in": stage_signature(meta_stage(arch, tp, pp, stage)),
+            }
+        )
     if dist.get_rank() == 0:
         result["meta"] = {
             f"{preset}/{tp}/{pp}/{stage}": stage_signature(meta_stage(build(Qwen3Config, preset), tp, pp, stage))
-            for preset, layouts in META_LAYOUTS.items() for tp, pp in layouts for stage in range(pp)
+            for preset, layouts in META_LAYOUTS.items()
+            for tp, pp in layouts
+            for stage in range(pp)
         }
     with open(os.path.join(out, f"{dist.get_rank()}.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)

@@ -50,8 +50,14 @@ def test_script_submits_the_config_on_its_nodes(size, tmp_path, nemorun_home, ca
     shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
     work = tmp_path / "work"
     work.mkdir()
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ACCOUNT": "rl", "PARTITION": "batch",
-           "STAPO_DRYRUN": "1", "WORKDIR": str(work)}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "ACCOUNT": "rl",
+        "PARTITION": "batch",
+        "STAPO_DRYRUN": "1",
+        "WORKDIR": str(work),
+    }
     script = REPO_ROOT / "examples" / "qwen3" / f"run_qwen3_{size}.sh"
     done = subprocess.run(["bash", str(script), "run.steps=5"], env=env, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr

@@ -89,19 +89,30 @@ def test_optimizer_bytes_equal_megatrons_distributed_optimizer(measured):
             # its weights while syncing; the trainer's offload moves exactly the planned bytes
             offloaded = found["offloaded_bytes"]
             assert offloaded["params"] == st.weights, found
-            assert offloaded["optimizer"] == st.grads + st.optimizer_by_dp_rank[found["dp_rank"]] + found["adam_step_bytes"], found
+            assert (
+                offloaded["optimizer"]
+                == st.grads + st.optimizer_by_dp_rank[found["dp_rank"]] + found["adam_step_bytes"]
+            ), found
 
 
 def test_activation_estimate_within_25_percent_of_the_measured_peak(measured):
     rows = []
     for case in measured[0]["activations"]:
-        work = Workload(seq_len=_workers.ACT_SEQ, micro_batch=_workers.ACT_BATCH, recompute=case["recompute"],
-                        sequence_parallel=case["sequence_parallel"], kernels="local", params_dtype="float32",
-                        logits_chunk=_workers.ACT_CHUNK)
+        work = Workload(
+            seq_len=_workers.ACT_SEQ,
+            micro_batch=_workers.ACT_BATCH,
+            recompute=case["recompute"],
+            sequence_parallel=case["sequence_parallel"],
+            kernels="local",
+            params_dtype="float32",
+            logits_chunk=_workers.ACT_CHUNK,
+        )
         st = plan.stage_memory(_workers.ACT_ARCH, Layout(case["tp"], 1, 1), work, 0)
         error = (st.peak_activations - case["peak"]) / case["peak"]
-        rows.append(f"TP{case['tp']}{' SP' if case['sequence_parallel'] else ''} {case['recompute']}: measured {case['peak'] / 2**20:.1f} MiB, "
-                    f"estimated {st.peak_activations / 2**20:.1f} MiB ({100 * error:+.1f}%)")
+        rows.append(
+            f"TP{case['tp']}{' SP' if case['sequence_parallel'] else ''} {case['recompute']}: measured {case['peak'] / 2**20:.1f} MiB, "
+            f"estimated {st.peak_activations / 2**20:.1f} MiB ({100 * error:+.1f}%)"
+        )
         assert abs(error) < TOLERANCE, rows[-1]
     print("\n".join(rows))
     # the cases differ enough to test the terms: recompute and TP must move the peak
@@ -131,8 +142,28 @@ def test_layouts_smallest_first_and_only_buildable():
 
 
 def test_plan_command_lists_fitting_layouts(capsys):
-    assert main(["plan", "--model", "qwen3_32b", "--gpus", "64", "--seq-len", "17408", "--micro-batch", "1",
-                 "--recompute", "full", "--gpu-memory-gb", "80", "--colocate-fraction", "0.35"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "qwen3_32b",
+                "--gpus",
+                "64",
+                "--seq-len",
+                "17408",
+                "--micro-batch",
+                "1",
+                "--recompute",
+                "full",
+                "--gpu-memory-gb",
+                "80",
+                "--colocate-fraction",
+                "0.35",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
     assert rows and all(row[-1] == "yes" for row in rows)
@@ -143,8 +174,26 @@ def test_plan_command_lists_fitting_layouts(capsys):
 
 
 def test_plan_command_details_one_layout(capsys):
-    assert main(["plan", "--model", "qwen3_14b", "--gpus", "32", "--seq-len", "17408", "--tp", "4", "--pp", "2",
-                 "--recompute", "full"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "qwen3_14b",
+                "--gpus",
+                "32",
+                "--seq-len",
+                "17408",
+                "--tp",
+                "4",
+                "--pp",
+                "2",
+                "--recompute",
+                "full",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "TP=4 PP=2 DP=4" in out and "1,846,359,040" in out and "fits" in out
 
@@ -155,10 +204,18 @@ def test_plan_command_errors_are_one_line(capsys):
         (["plan", "--model", "qwen3_8b", "--gpus", "0", "--seq-len", "4096"], "--gpus: must be >= 1"),
         (["plan", "--gpus", "8"], "--model: give a model preset (e.g. qwen3_32b), or a training config (--config)"),
         (["plan", "--model", "qwen3_8b"], "--gpus: required without a training config (--config)"),
-        (["plan", "--model", "qwen3_8b", "--gpus", "8", "--seq-len", "4096", "--tp", "3"], "--gpus: 8 is not a multiple of TP x PP = 3"),
-        (["plan", "--model", "qwen3_8b", "--gpus", "12", "--seq-len", "4096", "--tp", "3"], "TP 3 does not divide the 32 attention heads"),
-        (["plan", "--model", "qwen3_8b", "--gpus", "8", "--seq-len", "4096", "--colocate-fraction", "1.5"],
-         "--colocate-fraction: must be in [0, 1)"),
+        (
+            ["plan", "--model", "qwen3_8b", "--gpus", "8", "--seq-len", "4096", "--tp", "3"],
+            "--gpus: 8 is not a multiple of TP x PP = 3",
+        ),
+        (
+            ["plan", "--model", "qwen3_8b", "--gpus", "12", "--seq-len", "4096", "--tp", "3"],
+            "TP 3 does not divide the 32 attention heads",
+        ),
+        (
+            ["plan", "--model", "qwen3_8b", "--gpus", "8", "--seq-len", "4096", "--colocate-fraction", "1.5"],
+            "--colocate-fraction: must be in [0, 1)",
+        ),
     ):
         assert main(argv) == 2
         err = capsys.readouterr().err
@@ -169,14 +226,24 @@ def test_plan_command_errors_are_one_line(capsys):
 def test_example_configs_fit_80_gb(size):
     cfg = load_config(TrainConfig, REPO_ROOT / "configs" / f"qwen3_{size}_stapo.yaml")
     p = cfg.parallel
-    work = Workload(seq_len=cfg.batch.max_tokens_per_microbatch, micro_batch=1,
-                    sequences_per_minibatch=cfg.batch.prompts_per_minibatch * cfg.batch.group_size,
-                    recompute=cfg.compute.recompute, sequence_parallel=p.sequence_parallel,
-                    logits_chunk=cfg.compute.logits_chunk_size)
+    work = Workload(
+        seq_len=cfg.batch.max_tokens_per_microbatch,
+        micro_batch=1,
+        sequences_per_minibatch=cfg.batch.prompts_per_minibatch * cfg.batch.group_size,
+        recompute=cfg.compute.recompute,
+        sequence_parallel=p.sequence_parallel,
+        logits_chunk=cfg.compute.logits_chunk_size,
+    )
     offload = cfg.compute.offload_while_generating
-    est = plan.estimate(cfg.model, Layout(p.tensor_parallel, p.pipeline_parallel, p.data_parallel), work,
-                        gpu_memory_gb=80, colocate_fraction=cfg.rollout.sglang.mem_fraction_static,
-                        sglang_released=offload or cfg.rollout.release_memory_between_steps, offload=offload)
+    est = plan.estimate(
+        cfg.model,
+        Layout(p.tensor_parallel, p.pipeline_parallel, p.data_parallel),
+        work,
+        gpu_memory_gb=80,
+        colocate_fraction=cfg.rollout.sglang.mem_fraction_static,
+        sglang_released=offload or cfg.rollout.release_memory_between_steps,
+        offload=offload,
+    )
     assert est.fits, plan.format_stages(est)
 
 
@@ -211,7 +278,9 @@ def test_offload_alternation_per_gpu_phases():
     worst = offloaded.worst
     assert offloaded.train_phase == released.train_phase == worst.trainer + reserve
     assert offloaded.rollout_phase == max(st.weights for st in offloaded.stages) + share + reserve
-    assert released.rollout_phase == max(st.weights + st.grads + st.optimizer for st in released.stages) + share + reserve
+    assert (
+        released.rollout_phase == max(st.weights + st.grads + st.optimizer for st in released.stages) + share + reserve
+    )
     assert offloaded.total == max(offloaded.train_phase, offloaded.rollout_phase) == offloaded.rollout_phase
     # at mem_fraction_static 0.8 on 80 GiB only the offloaded trainer leaves the servers room
     assert offloaded.fits and not released.fits
@@ -231,32 +300,57 @@ def test_kv_cache_bytes_per_token_split_over_server_tp():
 def test_rollout_capacity_of_each_placement():
     arch = build(Qwen3Config, "qwen3_32b")
     assert arch.num_parameters() == 32_762_123_264
-    colocated = plan.rollout_capacity(arch, placement="colocated", servers=8, server_tp=8, mem_fraction=0.8,
-                                      gpu_memory_gb=80, max_seq_len=17408)
+    colocated = plan.rollout_capacity(
+        arch, placement="colocated", servers=8, server_tp=8, mem_fraction=0.8, gpu_memory_gb=80, max_seq_len=17408
+    )
     weights_per_gpu = 32_762_123_264 * 2 // 8  # 8,190,530,816 bytes
     assert colocated.kv_cache_per_gpu == 0.8 * 80 * 2**30 - weights_per_gpu == 60_528_945_920
     assert colocated.tokens_per_server == 60_528_945_920 // 32_768 == 1_847_196
     assert colocated.sequences_per_server == 1_847_196 // 17_408 == 106
     assert colocated.sequences == 848
     # the old layout: one server on the first node at 0.35
-    dedicated = plan.rollout_capacity(arch, placement="disaggregated", servers=1, server_tp=8, mem_fraction=0.35,
-                                      gpu_memory_gb=80, max_seq_len=17408)
+    dedicated = plan.rollout_capacity(
+        arch, placement="disaggregated", servers=1, server_tp=8, mem_fraction=0.35, gpu_memory_gb=80, max_seq_len=17408
+    )
     assert dedicated.tokens_per_server == int((0.35 * 80 * 2**30 - weights_per_gpu) // 32_768) == 667_548
     assert dedicated.sequences == 667_548 // 17_408 == 38
     # a share smaller than the weights leaves no KV cache, not a negative one
-    assert plan.rollout_capacity(arch, placement="colocated", servers=1, server_tp=1, mem_fraction=0.5,
-                                 gpu_memory_gb=80, max_seq_len=17408).tokens_per_server == 0
+    assert (
+        plan.rollout_capacity(
+            arch, placement="colocated", servers=1, server_tp=1, mem_fraction=0.5, gpu_memory_gb=80, max_seq_len=17408
+        ).tokens_per_server
+        == 0
+    )
 
 
 def test_plan_command_reports_phases_and_rollout_capacity(capsys):
-    argv = ["plan", "--model", "qwen3_32b", "--gpus", "64", "--seq-len", "17408", "--recompute", "full",
-            "--colocate-fraction", "0.8", "--server-tp", "8", "--tp", "8", "--pp", "2"]
+    argv = [
+        "plan",
+        "--model",
+        "qwen3_32b",
+        "--gpus",
+        "64",
+        "--seq-len",
+        "17408",
+        "--recompute",
+        "full",
+        "--colocate-fraction",
+        "0.8",
+        "--server-tp",
+        "8",
+        "--tp",
+        "8",
+        "--pp",
+        "2",
+    ]
     assert main([*argv, "--offload"]) == 0
     out = capsys.readouterr().out
     assert "trainer offloaded while generating" in out
-    assert ("rollout colocated: 8 server(s) x TP 8 at mem_fraction_static 0.8: KV cache 56.4 GiB per GPU "
-            "(32,768 bytes per token) = 1,847,196 tokens per server = 106 sequences of 17,408 tokens per server, "
-            "848 at once") in out
+    assert (
+        "rollout colocated: 8 server(s) x TP 8 at mem_fraction_static 0.8: KV cache 56.4 GiB per GPU "
+        "(32,768 bytes per token) = 1,847,196 tokens per server = 106 sequences of 17,408 tokens per server, "
+        "848 at once"
+    ) in out
     assert "rollout disaggregated: 1 server(s) x TP 8" in out and "106 at once" in out
     assert "rollout phase: sglang 64.0 + trainer weights (the rest offloaded)" in out and ": fits" in out
     assert main([*argv, "--sglang-released"]) == 0

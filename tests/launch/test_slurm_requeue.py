@@ -23,7 +23,10 @@ import torch
 
 from stapo_megatron.config import ConfigError
 from stapo_megatron.launch.requeue import (
-    batch_script_lines, check_requeue_options, run_dir_for_batch_shell, time_limit_seconds,
+    batch_script_lines,
+    check_requeue_options,
+    run_dir_for_batch_shell,
+    time_limit_seconds,
 )
 from stapo_megatron.launch.submit import SubmitOptions, check_options, signal_lead_s
 from tests.launch.test_submit import run_cli, sbatch_flags
@@ -31,7 +34,13 @@ from tests.launch.test_submit import run_cli, sbatch_flags
 
 def test_time_limits_and_leads():
     assert [time_limit_seconds(t) for t in ("2", "2:30", "04:00:00", "2-00", "2-1:30", "1-00:00:10")] == [
-        120, 150, 14400, 172800, 178200, 86410]
+        120,
+        150,
+        14400,
+        172800,
+        178200,
+        86410,
+    ]
     # the default lead: 900 s, or a quarter of a shorter limit
     assert signal_lead_s(SubmitOptions(config=None, overrides=[], time="04:00:00")) == 900
     assert signal_lead_s(SubmitOptions(config=None, overrides=[], time="00:10:00")) == 150
@@ -62,15 +71,34 @@ def test_the_run_directory_as_the_batch_shell_sees_it():
     mounts = [*job, "/lustre:/data", "/lustre/results/team:/data/results"]
     assert run_dir_for_batch_shell("/data/results/r1", "/w", mounts, in_container=True) == "/lustre/results/team/r1"
     assert run_dir_for_batch_shell("/data/other", "/w", mounts, in_container=True) == "/lustre/other"
-    with pytest.raises(ConfigError, match=r"^--max-requeues: the run directory /results/r exists inside the container "
-                                          r"only, .*put run.output_dir under one of --mounts$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^--max-requeues: the run directory /results/r exists inside the container "
+        r"only, .*put run.output_dir under one of --mounts$",
+    ):
         run_dir_for_batch_shell("/results/r", "/w", mounts, in_container=True)
 
 
 def test_dryrun_asks_for_the_signal_and_carries_the_trap(nemorun_home, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    code, out, err = run_cli(capsys, "submit", "--account", "a", "--time", "2", "--signal-lead", "30", "--max-requeues", "4",
-                             "--gpus-per-node", "0", "--procs-per-node", "2", "--dryrun", "run.output_dir=out/run 1")
+    code, out, err = run_cli(
+        capsys,
+        "submit",
+        "--account",
+        "a",
+        "--time",
+        "2",
+        "--signal-lead",
+        "30",
+        "--max-requeues",
+        "4",
+        "--gpus-per-node",
+        "0",
+        "--procs-per-node",
+        "2",
+        "--dryrun",
+        "run.output_dir=out/run 1",
+    )
     assert code == 0, err
     assert sbatch_flags(out)["signal"] == "B:USR1@30" and sbatch_flags(out)["time"] == "2"
     assert f"touch '{tmp_path}/out/run 1/STOP'" in out and "trap stapo_stop USR1" in out
@@ -79,8 +107,18 @@ def test_dryrun_asks_for_the_signal_and_carries_the_trap(nemorun_home, capsys, m
     assert out.index("srun() {") < out.index("\nsrun --output")
 
     # a run directory the batch shell cannot see is refused before anything is written
-    code, _, err = run_cli(capsys, "submit", "--account", "a", "--gpus-per-node", "2", "--container-image", "img:1",
-                           "--dryrun", "run.output_dir=/results/r")
+    code, _, err = run_cli(
+        capsys,
+        "submit",
+        "--account",
+        "a",
+        "--gpus-per-node",
+        "2",
+        "--container-image",
+        "img:1",
+        "--dryrun",
+        "run.output_dir=/results/r",
+    )
     assert code == 2 and err.count("\n") == 1
     assert err.startswith("stapo: error: --max-requeues: the run directory /results/r exists inside the container only")
     assert not (nemorun_home / "experiments").exists() or not any((nemorun_home / "experiments").iterdir())
@@ -111,11 +149,18 @@ def _stand_ins(tmp_path: Path) -> Path:
     return bindir
 
 
-def _batch_shell(tmp_path: Path, run_dir: Path, fake_exit: str, restarts: int | None, usr1: bool) -> tuple[int, str, str]:
+def _batch_shell(
+    tmp_path: Path, run_dir: Path, fake_exit: str, restarts: int | None, usr1: bool
+) -> tuple[int, str, str]:
     """The setup lines and one job step, as NeMo-Run's script runs them; USR1 sent mid-step if asked."""
     script = batch_script_lines(str(run_dir), 30, 2) + '\nsrun --output x torchrun stapo\necho "step returned $?"\n'
-    env = {"PATH": f"{_stand_ins(tmp_path)}:{os.environ['PATH']}", "FAKE_DIR": str(tmp_path), "FAKE_RUN": str(run_dir),
-           "FAKE_EXIT": fake_exit, "SLURM_JOB_ID": "42"}
+    env = {
+        "PATH": f"{_stand_ins(tmp_path)}:{os.environ['PATH']}",
+        "FAKE_DIR": str(tmp_path),
+        "FAKE_RUN": str(run_dir),
+        "FAKE_EXIT": fake_exit,
+        "SLURM_JOB_ID": "42",
+    }
     if restarts is not None:
         env["SLURM_RESTART_COUNT"] = str(restarts)
     shell = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -202,7 +247,12 @@ def test_two_minute_allocations_finish_a_longer_run_bit_identical(slurm_cluster,
 
     work = tmp_path / "work"
     work.mkdir()
-    env = {**slurm_cluster.env, "NEMORUN_HOME": str(tmp_path / "nemo_home"), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = {
+        **slurm_cluster.env,
+        "NEMORUN_HOME": str(tmp_path / "nemo_home"),
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+    }
     steps = _steps_for_three_allocations(tmp_path, env)
     overrides = [f"run.steps={steps}", *SETTINGS]
     # the uninterrupted reference trains meanwhile (the chain's length is set by its time limits)
@@ -210,10 +260,31 @@ def test_two_minute_allocations_finish_a_longer_run_bit_identical(slurm_cluster,
     reference = _start(train_command(reference_dir, *overrides), env)
     try:
         done = stapo(
-            "submit", "--executor", "slurm", "--account", "stapo", "--partition", PARTITION, "--time", "2",
-            "--signal-lead", str(LEAD_S), "--max-requeues", "8", "--gpus-per-node", "0", "--procs-per-node", "2",
-            "--job-name", "chain", "--wait", "run.output_dir=run", *overrides,
-            env=env, cwd=work, timeout=1200,
+            "submit",
+            "--executor",
+            "slurm",
+            "--account",
+            "stapo",
+            "--partition",
+            PARTITION,
+            "--time",
+            "2",
+            "--signal-lead",
+            str(LEAD_S),
+            "--max-requeues",
+            "8",
+            "--gpus-per-node",
+            "0",
+            "--procs-per-node",
+            "2",
+            "--job-name",
+            "chain",
+            "--wait",
+            "run.output_dir=run",
+            *overrides,
+            env=env,
+            cwd=work,
+            timeout=1200,
         )
     finally:
         _finish(reference, timeout=600)
@@ -232,15 +303,22 @@ def test_two_minute_allocations_finish_a_longer_run_bit_identical(slurm_cluster,
     stopped, resumed = [], []
     for restart in range(len(states)):
         log = (job_dir / f"log-stapo.chain_{job_id}_{restart}.out").read_text()
-        stopped += [int(line.split("checkpoint of step ")[1].split()[0]) for line in log.splitlines()
-                    if "stop requested: checkpoint of step" in line]
-        resumed += [int(line.split("(step ")[1].rstrip(")")) for line in log.splitlines() if "[stapo] resumed from" in line]
+        stopped += [
+            int(line.split("checkpoint of step ")[1].split()[0])
+            for line in log.splitlines()
+            if "stop requested: checkpoint of step" in line
+        ]
+        resumed += [
+            int(line.split("(step ")[1].rstrip(")")) for line in log.splitlines() if "[stapo] resumed from" in line
+        ]
     assert len(stopped) == len(states) - 1 and resumed == stopped, (stopped, resumed)
     assert stopped == sorted(stopped) and 0 < stopped[0] and stopped[-1] < steps
     batch_log = (job_dir / f"sbatch_stapo.chain_{job_id}.out").read_text().splitlines()  # with bash's -vx echo
     assert sum(line.startswith("stapo: USR1, the time limit is 30 s away") for line in batch_log) == len(states) - 1
     assert [line for line in batch_log if line.startswith("stapo: the run is not complete")] == [
-        f"stapo: the run is not complete (step exit 0, stopped for time: 1); requeue {i} of at most 8" for i in range(1, len(states))]
+        f"stapo: the run is not complete (step exit 0, stopped for time: 1); requeue {i} of at most 8"
+        for i in range(1, len(states))
+    ]
 
     # the end: every step logged once, in order, and the same parameters as the uninterrupted run
     assert [row["step"] for row in metrics(work / "run")] == list(range(1, steps + 1))

@@ -30,8 +30,16 @@ OVERRIDES = [f"run.steps={STEPS}", "run.output_dir=run", "checkpoint.save_every=
 
 
 def stapo(*argv: str, env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stapo_megatron.cli", *argv], env=env, cwd=cwd, check=False,
-                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "stapo_megatron.cli", *argv],
+        env=env,
+        cwd=cwd,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def experiment_id(stdout: str) -> str:
@@ -61,9 +69,26 @@ def test_tiny_run_through_slurm(slurm_cluster, tmp_path):
     env = {**slurm_cluster.env, "NEMORUN_HOME": str(home), "PYTHONUNBUFFERED": "1"}
     # the job is `stapo train` with TP=2: one node, two processes, no GPU requested
     done = stapo(
-        "submit", "--executor", "slurm", "--account", "stapo", "--partition", PARTITION, "--time", "00:10:00",
-        "--gpus-per-node", "0", "--procs-per-node", "2", "--job-name", "tiny", "--wait", *OVERRIDES,
-        env=env, cwd=work, timeout=420,
+        "submit",
+        "--executor",
+        "slurm",
+        "--account",
+        "stapo",
+        "--partition",
+        PARTITION,
+        "--time",
+        "00:10:00",
+        "--gpus-per-node",
+        "0",
+        "--procs-per-node",
+        "2",
+        "--job-name",
+        "tiny",
+        "--wait",
+        *OVERRIDES,
+        env=env,
+        cwd=work,
+        timeout=420,
     )
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     exp_id = experiment_id(done.stdout)
@@ -81,8 +106,16 @@ def test_tiny_run_through_slurm(slurm_cluster, tmp_path):
     assert stapo("status", "tiny", env=env, cwd=work, timeout=120).stdout.startswith(f"experiment {exp_id}")
 
     # NeMo-Run's own command reads the same experiment (it rebuilds stapo's packager from its record)
-    nemo = subprocess.run([str(Path(sys.executable).parent / "nemo"), "experiment", "status", exp_id], env=env, cwd=work,
-                          check=False, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    nemo = subprocess.run(
+        [str(Path(sys.executable).parent / "nemo"), "experiment", "status", exp_id],
+        env=env,
+        cwd=work,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     assert nemo.returncode == 0 and "SUCCEEDED" in nemo.stdout, nemo.stdout + nemo.stderr
 
     logs = stapo("logs", exp_id, env=env, cwd=work, timeout=120)
@@ -99,7 +132,9 @@ def test_tiny_run_through_the_local_executor(tmp_path):
     work.mkdir()
     home = tmp_path / "nemo_home"
     env = {**os.environ, "NEMORUN_HOME": str(home), "PYTHONUNBUFFERED": "1"}
-    done = stapo("submit", "--executor", "local", "--job-name", "tiny-local", *OVERRIDES, env=env, cwd=work, timeout=420)
+    done = stapo(
+        "submit", "--executor", "local", "--job-name", "tiny-local", *OVERRIDES, env=env, cwd=work, timeout=420
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     assert "finished: SUCCEEDED" in done.stdout
     check_run(work, STEPS)

@@ -32,7 +32,7 @@ def sbatch_flags(script: str) -> dict[str, str]:
 
 
 def exports(script: str) -> dict[str, str]:
-    return dict(line[len("export "):].split("=", 1) for line in script.splitlines() if line.startswith("export "))
+    return dict(line[len("export ") :].split("=", 1) for line in script.splitlines() if line.startswith("export "))
 
 
 def main_srun(script: str) -> list[str]:
@@ -59,18 +59,49 @@ NEMO_EXPORTS = {"PYTHONUNBUFFERED", "SLURM_UNBUFFEREDIO", "TORCHX_MAX_RETRIES", 
 def test_gpu_dryrun_sbatch_has_exactly_the_settings(nemorun_home, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     code, out, err = run_cli(
-        capsys, "submit", "--executor", "slurm", "--nodes", "2", "--gpus-per-node", "8", "--partition", "batch",
-        "--account", "rl_team", "--time", "1-12:00:00", "--container-image", "nvcr.io/nvidia/pytorch:25.01-py3",
-        "--mounts", "/lustre/data:/data", "--mounts", "/lustre/models:/models:ro", "--env", "NCCL_DEBUG=INFO",
-        "--env", "HF_HOME=/data/hf cache", "--job-name", "tiny-gpu", "--dryrun",
-        "parallel.data_parallel=8", "run.steps=3",
+        capsys,
+        "submit",
+        "--executor",
+        "slurm",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "8",
+        "--partition",
+        "batch",
+        "--account",
+        "rl_team",
+        "--time",
+        "1-12:00:00",
+        "--container-image",
+        "nvcr.io/nvidia/pytorch:25.01-py3",
+        "--mounts",
+        "/lustre/data:/data",
+        "--mounts",
+        "/lustre/models:/models:ro",
+        "--env",
+        "NCCL_DEBUG=INFO",
+        "--env",
+        "HF_HOME=/data/hf cache",
+        "--job-name",
+        "tiny-gpu",
+        "--dryrun",
+        "parallel.data_parallel=8",
+        "run.steps=3",
     )
     assert code == 0, err
     flags = sbatch_flags(out)
     output = flags.pop("output")
     assert flags == {
-        "account": "rl_team", "partition": "batch", "nodes": "2", "gpus-per-node": "8", "ntasks-per-node": "1",
-        "time": "1-12:00:00", "job-name": "stapo.tiny-gpu", "open-mode": "append", "signal": "B:USR1@900",
+        "account": "rl_team",
+        "partition": "batch",
+        "nodes": "2",
+        "gpus-per-node": "8",
+        "ntasks-per-node": "1",
+        "time": "1-12:00:00",
+        "job-name": "stapo.tiny-gpu",
+        "open-mode": "append",
+        "signal": "B:USR1@900",
     }
     assert output.startswith(str(nemorun_home / "experiments" / "tiny-gpu"))
     env = exports(out)
@@ -82,7 +113,7 @@ def test_gpu_dryrun_sbatch_has_exactly_the_settings(nemorun_home, capsys, monkey
     assert option_values(srun, "--container-image") == ["nvcr.io/nvidia/pytorch:25.01-py3"]
     mounts = option_values(srun, "--container-mounts")[0].split(",")
     assert mounts[:2] == ["/lustre/data:/data", "/lustre/models:/models:ro"] and mounts[2].endswith(":/nemo_run")
-    torchrun = srun[srun.index("torchrun"):]
+    torchrun = srun[srun.index("torchrun") :]
     assert option_values(torchrun, "--nnodes") == ["2"] and option_values(torchrun, "--nproc-per-node") == ["8"]
     assert torchrun[-5:] == ["-m", "stapo_megatron.cli", "train", "--config", "/nemo_run/stapo_config.yaml"]
     # a dry run leaves no experiment behind
@@ -92,8 +123,20 @@ def test_gpu_dryrun_sbatch_has_exactly_the_settings(nemorun_home, capsys, monkey
 def test_cpu_dryrun_requests_no_gpus_and_runs_in_this_directory(nemorun_home, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     code, out, err = run_cli(
-        capsys, "submit", "--executor", "slurm", "--gpus-per-node", "0", "--procs-per-node", "2", "--account", "a",
-        "--cpus-per-task", "2", "--dryrun", "run.steps=3",
+        capsys,
+        "submit",
+        "--executor",
+        "slurm",
+        "--gpus-per-node",
+        "0",
+        "--procs-per-node",
+        "2",
+        "--account",
+        "a",
+        "--cpus-per-task",
+        "2",
+        "--dryrun",
+        "run.steps=3",
     )
     assert code == 0, err
     flags = sbatch_flags(out)
@@ -105,17 +148,36 @@ def test_cpu_dryrun_requests_no_gpus_and_runs_in_this_directory(nemorun_home, ca
     srun = main_srun(out)
     # srun keeps the last --chdir: this directory, where run.output_dir (runs/tiny_cpu) resolves
     assert option_values(srun, "--chdir")[-1] == str(tmp_path)
-    torchrun = srun[srun.index("torchrun"):]
+    torchrun = srun[srun.index("torchrun") :]
     assert option_values(torchrun, "--nnodes") == ["1"] and option_values(torchrun, "--nproc-per-node") == ["2"]
     config = torchrun[-1]
-    assert config.startswith(str(nemorun_home / "experiments" / "tiny_cpu")) and config.endswith("/tiny_cpu/stapo_config.yaml")
+    assert config.startswith(str(nemorun_home / "experiments" / "tiny_cpu")) and config.endswith(
+        "/tiny_cpu/stapo_config.yaml"
+    )
 
 
 def test_ssh_tunnel_dryrun_needs_no_connection(nemorun_home, capsys):
     code, out, err = run_cli(
-        capsys, "submit", "--account", "a", "--tunnel", "ssh", "--host", "login.invalid", "--user", "alice",
-        "--remote-job-dir", "/lustre/alice/experiments", "--nodes", "2", "--job-name", "remote", "--workdir", "/lustre/alice/w",
-        "--dryrun", "parallel.data_parallel=8",
+        capsys,
+        "submit",
+        "--account",
+        "a",
+        "--tunnel",
+        "ssh",
+        "--host",
+        "login.invalid",
+        "--user",
+        "alice",
+        "--remote-job-dir",
+        "/lustre/alice/experiments",
+        "--nodes",
+        "2",
+        "--job-name",
+        "remote",
+        "--workdir",
+        "/lustre/alice/w",
+        "--dryrun",
+        "parallel.data_parallel=8",
     )
     assert code == 0, err
     flags = sbatch_flags(out)
@@ -128,9 +190,23 @@ def test_ssh_tunnel_dryrun_needs_no_connection(nemorun_home, capsys):
 
 
 def test_ssh_tunnel_leaves_the_clusters_paths_unchecked_unless_asked(nemorun_home, capsys):
-    ssh = ["submit", "--account", "a", "--tunnel", "ssh", "--host", "login.invalid", "--user", "alice",
-           "--remote-job-dir", "/lustre/alice/experiments", "--gpus-per-node", "2", "--dryrun",
-           "checkpoint.load_hf=/lustre/alice/models/qwen"]
+    ssh = [
+        "submit",
+        "--account",
+        "a",
+        "--tunnel",
+        "ssh",
+        "--host",
+        "login.invalid",
+        "--user",
+        "alice",
+        "--remote-job-dir",
+        "/lustre/alice/experiments",
+        "--gpus-per-node",
+        "2",
+        "--dryrun",
+        "checkpoint.load_hf=/lustre/alice/models/qwen",
+    ]
     code, out, err = run_cli(capsys, *ssh)
     assert code == 0, err
     code, _, err = run_cli(capsys, *ssh, "--check-files")
@@ -157,8 +233,9 @@ def test_resolved_config_round_trips_and_the_packager_writes_it(tmp_path):
     pytest.importorskip("nemo_run", reason="NeMo-Run is not importable: pip install -e '.[launch]'")
     from stapo_megatron.launch.nemo import CONFIG_NAME, ResolvedConfigPackager
 
-    options = SubmitOptions(config=None, overrides=["run.steps=7", "algo=grpo"], account="a",
-                            gpus_per_node=0, procs_per_node=2)
+    options = SubmitOptions(
+        config=None, overrides=["run.steps=7", "algo=grpo"], account="a", gpus_per_node=0, procs_per_node=2
+    )
     sub = prepare(options)
     assert sub.cfg == load_train_config(None, ["run.steps=7", "algo=grpo"])
     job_dir = tmp_path / "job"
@@ -168,14 +245,28 @@ def test_resolved_config_round_trips_and_the_packager_writes_it(tmp_path):
 
 
 BAD = [
-    (["--gpus-per-node", "4", "--account", "a"], ("--nodes/--gpus-per-node: 1 node(s) x 4 processes per node = 4, but the "
-     "config's layout needs tensor x pipeline x context x data parallel = 2 x 1 x 1 x 1 = 2")),
-    (["--nodes", "2", "--gpus-per-node", "8", "--account", "a", "parallel.data_parallel=4"], "= 16, but the config's layout needs"),
+    (
+        ["--gpus-per-node", "4", "--account", "a"],
+        (
+            "--nodes/--gpus-per-node: 1 node(s) x 4 processes per node = 4, but the "
+            "config's layout needs tensor x pipeline x context x data parallel = 2 x 1 x 1 x 1 = 2"
+        ),
+    ),
+    (
+        ["--nodes", "2", "--gpus-per-node", "8", "--account", "a", "parallel.data_parallel=4"],
+        "= 16, but the config's layout needs",
+    ),
     (["--nodes", "3", "--account", "a"], "--nodes: 3 nodes cannot hold the 2 ranks"),
     (["--gpus-per-node", "0", "--account", "a"], "--procs-per-node: required on CPU nodes"),
-    (["--gpus-per-node", "1", "--procs-per-node", "2", "--account", "a"], "--procs-per-node: 2 processes per node need one GPU each"),
+    (
+        ["--gpus-per-node", "1", "--procs-per-node", "2", "--account", "a"],
+        "--procs-per-node: 2 processes per node need one GPU each",
+    ),
     (["--gpus-per-node", "0", "--procs-per-node", "2"], "--account: required by --executor slurm"),
-    (["--account", "a", "--tunnel", "ssh", "--user", "u", "--remote-job-dir", "/x"], "--host: required with --tunnel ssh"),
+    (
+        ["--account", "a", "--tunnel", "ssh", "--user", "u", "--remote-job-dir", "/x"],
+        "--host: required with --tunnel ssh",
+    ),
     (["--account", "a", "--env", "lower=1"], "--env lower=1: the name must be upper-case"),
     (["--account", "a", "--env", "NOVALUE"], "--env NOVALUE: expected NAME=VALUE"),
     (["--account", "a", "--mounts", "/only-one-path"], "--mounts /only-one-path: expected SRC:DST"),
@@ -183,16 +274,58 @@ BAD = [
     (["--executor", "local", "--nodes", "2"], "--nodes: the local executor runs on this machine only"),
     (["--executor", "local", "--partition", "p"], "--partition: only for --executor slurm"),
     (["--account", "a", "--job-name", "a/b"], "--job-name: 'a/b' must be letters"),
-    (["--account", "a", "parallel.tensor_parallel=3"], "parallel.tensor_parallel: 3 does not divide the 4 attention heads"),
+    (
+        ["--account", "a", "parallel.tensor_parallel=3"],
+        "parallel.tensor_parallel: 3 does not divide the 4 attention heads",
+    ),
     (["--account", "a", "optim.lr=-1"], "optim.lr: must be > 0"),
-    (["--account", "a", "checkpoint.load_hf=/nonexistent/hf"], "checkpoint.load_hf: /nonexistent/hf is not a directory"),
-    (["--gpus-per-node", "0", "--procs-per-node", "2", "--account", "a", "rollout.engine=sglang",
-      "rollout.sglang.model_path=/m"], "rollout.engine: SGLang servers need GPUs"),
-    (["--gpus-per-node", "4", "--procs-per-node", "2", "--account", "a", "rollout.engine=sglang",
-      "rollout.sglang.model_path=/m", "rollout.sglang.num_servers=2", "rollout.sglang.tp_size=2",
-      "rollout.sglang.base_gpu_id=1"], "rollout.sglang: 2 server(s) x tp_size 2 from GPU 1 need GPUs 0..4"),
-    (["--gpus-per-node", "4", "--procs-per-node", "2", "--account", "a", "rollout.engine=sglang",
-      "rollout.sglang.model_path=/m", "rollout.sglang.num_servers=2"], "rollout.sglang.base_gpu_id: 0 puts servers on the trainer's GPUs 0..1"),
+    (
+        ["--account", "a", "checkpoint.load_hf=/nonexistent/hf"],
+        "checkpoint.load_hf: /nonexistent/hf is not a directory",
+    ),
+    (
+        [
+            "--gpus-per-node",
+            "0",
+            "--procs-per-node",
+            "2",
+            "--account",
+            "a",
+            "rollout.engine=sglang",
+            "rollout.sglang.model_path=/m",
+        ],
+        "rollout.engine: SGLang servers need GPUs",
+    ),
+    (
+        [
+            "--gpus-per-node",
+            "4",
+            "--procs-per-node",
+            "2",
+            "--account",
+            "a",
+            "rollout.engine=sglang",
+            "rollout.sglang.model_path=/m",
+            "rollout.sglang.num_servers=2",
+            "rollout.sglang.tp_size=2",
+            "rollout.sglang.base_gpu_id=1",
+        ],
+        "rollout.sglang: 2 server(s) x tp_size 2 from GPU 1 need GPUs 0..4",
+    ),
+    (
+        [
+            "--gpus-per-node",
+            "4",
+            "--procs-per-node",
+            "2",
+            "--account",
+            "a",
+            "rollout.engine=sglang",
+            "rollout.sglang.model_path=/m",
+            "rollout.sglang.num_servers=2",
+        ],
+        "rollout.sglang.base_gpu_id: 0 puts servers on the trainer's GPUs 0..1",
+    ),
 ]
 
 
@@ -210,19 +343,32 @@ def test_errors_are_one_line_and_nothing_is_submitted(args, message, capsys, tmp
 def test_separate_rollout_gpus_are_accepted(nemorun_home, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     code, out, err = run_cli(
-        capsys, "submit", "--gpus-per-node", "4", "--procs-per-node", "2", "--account", "a", "--dryrun",
-        "rollout.engine=sglang", "rollout.sglang.model_path=/m", "rollout.sglang.num_servers=2", "rollout.sglang.base_gpu_id=2",
+        capsys,
+        "submit",
+        "--gpus-per-node",
+        "4",
+        "--procs-per-node",
+        "2",
+        "--account",
+        "a",
+        "--dryrun",
+        "rollout.engine=sglang",
+        "rollout.sglang.model_path=/m",
+        "rollout.sglang.num_servers=2",
+        "rollout.sglang.base_gpu_id=2",
     )
     assert code == 0, err
     assert sbatch_flags(out)["gpus-per-node"] == "4"
     torchrun = main_srun(out)
-    assert option_values(torchrun[torchrun.index("torchrun"):], "--nproc-per-node") == ["2"]
+    assert option_values(torchrun[torchrun.index("torchrun") :], "--nproc-per-node") == ["2"]
 
 
 def test_missing_nemo_run_is_one_line(capsys, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "nemo_run", None)  # `import nemo_run` raises ImportError
     monkeypatch.chdir(tmp_path)
-    code, _, err = run_cli(capsys, "submit", "--account", "a", "--gpus-per-node", "0", "--procs-per-node", "2", "--dryrun")
+    code, _, err = run_cli(
+        capsys, "submit", "--account", "a", "--gpus-per-node", "0", "--procs-per-node", "2", "--dryrun"
+    )
     assert code == 2 and err.count("\n") == 1
     assert err.startswith("stapo: error: stapo submit: NeMo-Run is not importable")
     assert "pip install 'stapo_megatron[launch]'" in err

@@ -41,11 +41,33 @@ def assert_valid_bash(script: str, tmp_path) -> None:
 def test_sbatch_values_round_trip_through_bash(container, nemorun_home, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     # in a container, the run directory on a mount: the batch script can see it (to requeue the job)
-    extra = (["--container-image", "nvcr.io/nvidia/pytorch:25.01-py3", "--mounts", "/lustre/data:/data",
-              "run.output_dir=/data/runs/q"] if container else [])
+    extra = (
+        [
+            "--container-image",
+            "nvcr.io/nvidia/pytorch:25.01-py3",
+            "--mounts",
+            "/lustre/data:/data",
+            "run.output_dir=/data/runs/q",
+        ]
+        if container
+        else []
+    )
     code, out, err = run_cli(
-        capsys, "submit", "--gpus-per-node", "0", "--procs-per-node", "2", "--account", "a", "--workdir", HOSTILE_DIR,
-        "--env", f"TOKEN={HOSTILE_VALUE}", *extra, "--dryrun", "run.steps=1",
+        capsys,
+        "submit",
+        "--gpus-per-node",
+        "0",
+        "--procs-per-node",
+        "2",
+        "--account",
+        "a",
+        "--workdir",
+        HOSTILE_DIR,
+        "--env",
+        f"TOKEN={HOSTILE_VALUE}",
+        *extra,
+        "--dryrun",
+        "run.steps=1",
     )
     assert code == 0, err
     assert_valid_bash(out, tmp_path)
@@ -54,13 +76,17 @@ def test_sbatch_values_round_trip_through_bash(container, nemorun_home, capsys, 
     words = bash_words(srun_line, tmp_path)
     assert option_values(words, flag)[-1] == HOSTILE_DIR  # srun takes the last one
     assert option_values(main_srun(out), flag)[-1] == HOSTILE_DIR  # and shlex reads it the same way
-    assert words[words.index("torchrun"):][-2:] == ["--config", words[-1]] and words[-1].endswith("/stapo_config.yaml")
+    assert words[words.index("torchrun") :][-2:] == ["--config", words[-1]] and words[-1].endswith("/stapo_config.yaml")
     export = f"export TOKEN={exports(out)['TOKEN']}"
-    done = subprocess.run(["bash", "-c", f'{export}\nprintf "%s" "$TOKEN"'], cwd=tmp_path, capture_output=True, text=True)
+    done = subprocess.run(
+        ["bash", "-c", f'{export}\nprintf "%s" "$TOKEN"'], cwd=tmp_path, capture_output=True, text=True
+    )
     assert done.stdout == HOSTILE_VALUE
 
     # the local executor's job script likewise
-    code, out, err = run_cli(capsys, "submit", "--executor", "local", "--workdir", HOSTILE_DIR, "--dryrun", "run.steps=1")
+    code, out, err = run_cli(
+        capsys, "submit", "--executor", "local", "--workdir", HOSTILE_DIR, "--dryrun", "run.steps=1"
+    )
     assert code == 0, err
     assert_valid_bash(out, tmp_path)
     [cd_line] = [line for line in out.splitlines() if line.startswith("cd ")]
@@ -76,8 +102,10 @@ REFUSED = [
     (["--account", "a", "--partition", "batch gpu"], "--partition: 'batch gpu' cannot go into the sbatch script"),
     (["--account", "a", "--container-image", "img;id"], "--container-image: 'img;id' cannot go into the sbatch script"),
     (["--account", "a", "--mounts", "/data set:/data"], "--mounts: '/data set:/data' cannot go into the sbatch script"),
-    (["--account", "a", "--tunnel", "ssh", "--host", "h", "--user", "u", "--remote-job-dir", "/x $(id)"],
-     "--remote-job-dir: '/x $(id)' cannot go into the sbatch script"),
+    (
+        ["--account", "a", "--tunnel", "ssh", "--host", "h", "--user", "u", "--remote-job-dir", "/x $(id)"],
+        "--remote-job-dir: '/x $(id)' cannot go into the sbatch script",
+    ),
 ]
 
 

@@ -29,7 +29,9 @@ def _config(objective):
         return AlgoConfig(objective="clip_cov", token_rule="all", clip_cov_ratio=0.02)
     if objective == "kl_cov":
         return AlgoConfig(objective="kl_cov", token_rule="all", kl_cov_ratio=0.05)
-    return AlgoConfig(objective="gspo", token_rule="all", aggregation="seq_mean_token_mean", eps_low=3e-4, eps_high=4e-4)
+    return AlgoConfig(
+        objective="gspo", token_rule="all", aggregation="seq_mean_token_mean", eps_low=3e-4, eps_high=4e-4
+    )
 
 
 def _packed_inputs(objective):
@@ -51,8 +53,12 @@ def _packed_inputs(objective):
     if objective == "gspo":
         # per-sequence shifts of log pi_old around GSPO's clip range [1 - 3e-4, 1 + 4e-4]: sequences 0 and 1
         # clipped on the side their advantage pushes, 2 and 4 inside, 3 has A = 0
-        shift = torch.cat([torch.tensor([-1e-3, 1e-3, 1e-4, 0.0, -1e-4], dtype=torch.float64).repeat_interleave(COLS),
-                           torch.zeros(4, dtype=torch.float64)])
+        shift = torch.cat(
+            [
+                torch.tensor([-1e-3, 1e-3, 1e-4, 0.0, -1e-4], dtype=torch.float64).repeat_interleave(COLS),
+                torch.zeros(4, dtype=torch.float64),
+            ]
+        )
         old = (ref_lp + shift + torch.randn(ref_lp.shape, generator=gen, dtype=torch.float64) * 1e-4).float()
     else:
         old = (ref_lp + torch.randn(ref_lp.shape, generator=gen, dtype=torch.float64) * 0.3).float()
@@ -70,14 +76,35 @@ def _run(objective, logits, group, inputs):
     logprob, _ = vocab_parallel_logprob_entropy(x, targets, group, vocab_size=VOCAB)
     seed = token_seed(targets)
     log_ratio = torch.where(mask, logprob.detach() - old, 0.0).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
-    surrogate = get_objective(objective).surrogate(SurrogateInputs(
-        logprob.detach(), log_ratio, advantages, mask, cfg.eps_low, cfg.eps_high, cfg.clip_ratio_c,
-        cfg.log_ratio_clamp, segments, cfg, seed,
-    ))
+    surrogate = get_objective(objective).surrogate(
+        SurrogateInputs(
+            logprob.detach(),
+            log_ratio,
+            advantages,
+            mask,
+            cfg.eps_low,
+            cfg.eps_high,
+            cfg.clip_ratio_c,
+            cfg.log_ratio_clamp,
+            segments,
+            cfg,
+            seed,
+        )
+    )
     loss_sum, n, metrics = policy_loss(
-        logprob, old, advantages, mask.float(), eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-        clip_ratio_c=cfg.clip_ratio_c, aggregation=cfg.aggregation, response_mask=mask, segment_ids=segments,
-        objective=objective, objective_cfg=cfg, objective_seed=seed,
+        logprob,
+        old,
+        advantages,
+        mask.float(),
+        eps_low=cfg.eps_low,
+        eps_high=cfg.eps_high,
+        clip_ratio_c=cfg.clip_ratio_c,
+        aggregation=cfg.aggregation,
+        response_mask=mask,
+        segment_ids=segments,
+        objective=objective,
+        objective_cfg=cfg,
+        objective_seed=seed,
     )
     loss = loss_sum / n
     loss.backward()
@@ -91,21 +118,31 @@ def _check(objective, group, rank):
     local = PADDED // TP
     loss, chosen, metrics, grad, logprob = _run(objective, full[..., rank * local : (rank + 1) * local], group, inputs)
     # every TP rank: bit-identical log-probs, choice, loss and metrics
-    for name, value in (("logprob", logprob), ("selection", chosen.to(torch.float32)), ("loss", loss.reshape(1)),
-                        ("metrics", torch.stack([metrics[k].double() for k in sorted(metrics)]).float())):
+    for name, value in (
+        ("logprob", logprob),
+        ("selection", chosen.to(torch.float32)),
+        ("loss", loss.reshape(1)),
+        ("metrics", torch.stack([metrics[k].double() for k in sorted(metrics)]).float()),
+    ):
         gathered = [torch.zeros_like(value) for _ in range(TP)]
         dist.all_gather(gathered, value.contiguous(), group=group)
         assert torch.equal(gathered[0], gathered[1]), f"{objective}: {name} differs between TP ranks"
     # TP=2 against TP=1 on the whole vocabulary
     loss1, chosen1, metrics1, grad1, _ = _run(objective, full, None, inputs)
-    assert torch.equal(chosen, chosen1), f"{objective}: TP=2 picks {int(chosen.sum())} tokens, TP=1 {int(chosen1.sum())}"
-    assert abs(float(loss) - float(loss1)) <= 1e-6 * max(1.0, abs(float(loss1))), f"{objective}: loss {float(loss)} vs {float(loss1)}"
+    assert torch.equal(chosen, chosen1), (
+        f"{objective}: TP=2 picks {int(chosen.sum())} tokens, TP=1 {int(chosen1.sum())}"
+    )
+    assert abs(float(loss) - float(loss1)) <= 1e-6 * max(1.0, abs(float(loss1))), (
+        f"{objective}: loss {float(loss)} vs {float(loss1)}"
+    )
     worst = (grad - grad1[..., rank * local : (rank + 1) * local]).abs().max().item()
     assert worst <= 1e-6, f"{objective}: logits gradient differs from TP=1 by {worst:.3g}"
     for key in metrics:
         assert abs(float(metrics[key]) - float(metrics1[key])) <= 1e-5 * max(1.0, abs(float(metrics1[key]))), key
     if objective == "gspo":
-        assert float(metrics["gspo_clipped_sequences"]) == 2, f"gspo: {float(metrics['gspo_clipped_sequences'])} clipped sequences, want 2"
+        assert float(metrics["gspo_clipped_sequences"]) == 2, (
+            f"gspo: {float(metrics['gspo_clipped_sequences'])} clipped sequences, want 2"
+        )
     else:
         assert int(chosen.sum()) >= 2, f"{objective}: the covariance picked {int(chosen.sum())} tokens"
         assert float(metrics["cov_selected_tokens"]) == int(chosen.sum())

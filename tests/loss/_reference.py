@@ -13,7 +13,9 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // multiple) * multiple
 
 
-def reference_logprob_entropy(full_logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0):
+def reference_logprob_entropy(
+    full_logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0
+):
     """log p(target) and entropy from fp64 log_softmax over the real columns (autograd-capable)."""
     logp = torch.log_softmax(full_logits[..., :vocab_size].double() / temperature, dim=-1)
     logprob = logp.gather(-1, targets[..., None]).squeeze(-1)

@@ -45,7 +45,13 @@ def _logit_batches(micro=2, rows=4, cols=12, seed=5):
 def tp2_stare_selection_and_loss_equal_tp1(ctx):
     """Vocabulary-parallel log-probs at TP=2 give the same STARE weights, loss and logits gradient
     as TP=1 (gate on, variant C2 so both cuts are exercised; and O1)."""
-    from stapo_megatron.loss import TokenStats, minibatch_threshold, policy_loss, select_tokens, vocab_parallel_logprob_entropy
+    from stapo_megatron.loss import (
+        TokenStats,
+        minibatch_threshold,
+        policy_loss,
+        select_tokens,
+        vocab_parallel_logprob_entropy,
+    )
 
     batches = _logit_batches()
     local = VOCAB // 2
@@ -54,23 +60,35 @@ def tp2_stare_selection_and_loss_equal_tp1(ctx):
         for tp in (1, 2):
             leaves, stats = [], []
             for b in batches:
-                logits = (b["logits"] if tp == 1 else b["logits"][..., ctx.tp_rank * local : (ctx.tp_rank + 1) * local])
+                logits = b["logits"] if tp == 1 else b["logits"][..., ctx.tp_rank * local : (ctx.tp_rank + 1) * local]
                 leaf = logits.clone().requires_grad_()
-                lp, ent = vocab_parallel_logprob_entropy(leaf, b["targets"], ctx.tp_group if tp == 2 else None, vocab_size=VOCAB)
+                lp, ent = vocab_parallel_logprob_entropy(
+                    leaf, b["targets"], ctx.tp_group if tp == 2 else None, vocab_size=VOCAB
+                )
                 leaves.append((leaf, lp))
-                stats.append(TokenStats(lp.detach(), ent.detach(), b["advantages"], b["response_mask"], step_entropy=0.1))
+                stats.append(
+                    TokenStats(lp.detach(), ent.detach(), b["advantages"], b["response_mask"], step_entropy=0.1)
+                )
             cuts = minibatch_threshold(cfg, stats, None)
             keeps, loss, count = [], 0.0, 0
             for (leaf, lp), s, b in zip(leaves, stats, batches):
                 keep = select_tokens(cfg, s, cuts).keep
                 keeps.append(keep)
-                loss_sum, n, _ = policy_loss(lp, lp.detach() + b["noise"], b["advantages"], keep,
-                                             clip_ratio_c=cfg.clip_ratio_c, response_mask=b["response_mask"])
+                loss_sum, n, _ = policy_loss(
+                    lp,
+                    lp.detach() + b["noise"],
+                    b["advantages"],
+                    keep,
+                    clip_ratio_c=cfg.clip_ratio_c,
+                    response_mask=b["response_mask"],
+                )
                 loss = loss + loss_sum
                 count += int(n)
             (loss / count).backward()
-            grads = [leaf.grad if tp == 2 else leaf.grad[..., ctx.tp_rank * local : (ctx.tp_rank + 1) * local]
-                     for leaf, _ in leaves]
+            grads = [
+                leaf.grad if tp == 2 else leaf.grad[..., ctx.tp_rank * local : (ctx.tp_rank + 1) * local]
+                for leaf, _ in leaves
+            ]
             results[tp] = (cuts, keeps, float(loss.detach()) / count, grads)
         cuts1, keeps1, loss1, grads1 = results[1]
         cuts2, keeps2, loss2, grads2 = results[2]
@@ -115,7 +133,9 @@ def dp2_stare_minibatch_cuts_equal_single_process(ctx):
         counts = torch.zeros(2, dtype=torch.float64)
         for s in mine:
             keep = select_tokens(cfg, s, distributed).keep
-            counts += torch.tensor([float((keep > 1).sum()), float(((keep > 0) & (keep < 1)).sum())], dtype=torch.float64)
+            counts += torch.tensor(
+                [float((keep > 1).sum()), float(((keep > 0) & (keep < 1)).sum())], dtype=torch.float64
+            )
         dist.all_reduce(counts, group=ctx.world)
         single_counts = [0, 0]
         for s in everything:
@@ -128,7 +148,9 @@ def dp2_stare_minibatch_cuts_equal_single_process(ctx):
         assert single_counts[0] == expected, (single_counts[0], expected)
 
 
-CHECKS = {fn.__name__: fn for fn in (tp2_stare_selection_and_loss_equal_tp1, dp2_stare_minibatch_cuts_equal_single_process)}
+CHECKS = {
+    fn.__name__: fn for fn in (tp2_stare_selection_and_loss_equal_tp1, dp2_stare_minibatch_cuts_equal_single_process)
+}
 
 
 class Ctx:

@@ -67,7 +67,12 @@ def _check_against_reference(group, rank, size, vocab, tokens, seed, dtype=torch
         shard = _shard(full, rank, size).clone().requires_grad_()
         before = shard.detach().clone()
         lp, ent = vocab_parallel_logprob_entropy(
-            shard, targets, group, temperature=temperature, chunk_size=chunk, vocab_size=vocab,
+            shard,
+            targets,
+            group,
+            temperature=temperature,
+            chunk_size=chunk,
+            vocab_size=vocab,
             entropy_grad=entropy_grad,
         )
         loss = (lp * w_lp).sum() + ((ent * w_ent).sum() if entropy_grad else 0)
@@ -80,7 +85,9 @@ def _check_against_reference(group, rank, size, vocab, tokens, seed, dtype=torch
         try:
             _close(lp, ref_lp.detach(), 1e-5, f"logprob T={temperature} chunk={chunk}")
             _close(ent, ref_ent.detach(), 1e-5, f"entropy T={temperature} chunk={chunk}")
-            _close(shard.grad, _shard(ref_in.grad, rank, size), grad_atol, f"grad T={temperature} chunk={chunk}", grad_rtol)
+            _close(
+                shard.grad, _shard(ref_in.grad, rank, size), grad_atol, f"grad T={temperature} chunk={chunk}", grad_rtol
+            )
             assert shard.grad.dtype == dtype
             assert torch.equal(shard.detach(), before), "the logits were modified"
             assert ent.requires_grad == entropy_grad
@@ -130,7 +137,9 @@ def tp2_two_collectives_in_forward_none_in_backward(ctx):
 
     dist.all_reduce = counting
     try:
-        lp, ent = vocab_parallel_logprob_entropy(shard, targets, ctx.tp_group, chunk_size=2, vocab_size=vocab, entropy_grad=True)
+        lp, ent = vocab_parallel_logprob_entropy(
+            shard, targets, ctx.tp_group, chunk_size=2, vocab_size=vocab, entropy_grad=True
+        )
         forward_calls = list(calls)
         (lp.sum() + ent.sum()).backward()
     finally:
@@ -281,8 +290,14 @@ def dp_tp_token_mean_gradient_equals_single_process(ctx):
         sel = select_tokens(cfg, st, threshold)
         keeps.append(sel.keep)
         loss_sum, n, metrics = policy_loss(
-            lp, olds[i], st.advantages, sel.keep, response_mask=st.response_mask,
-            candidates=sel.candidates, tau_h=sel.threshold, entropy=ent,
+            lp,
+            olds[i],
+            st.advantages,
+            sel.keep,
+            response_mask=st.response_mask,
+            candidates=sel.candidates,
+            tau_h=sel.threshold,
+            entropy=ent,
         )
         loss_sum.backward()
         count += n

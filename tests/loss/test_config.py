@@ -51,8 +51,16 @@ def test_presets_differ_only_where_documented():
     assert _differences(p["justrl"], p["dapo"]) == {"name", "dynamic_sampling", "overlong_shaping"}
     # 20-Entropy on the DAPO base, selecting over the whole mini-batch
     assert _differences(p["dapo"], p["entropy20"]) == {"name", "token_rule"}
-    assert (p["entropy20"].token_rule, p["entropy20"].scope, p["entropy20"].top_fraction) == ("high_entropy", "mini_batch", 0.2)
-    assert (p["dapo"].overlong_buffer, p["dapo"].overlong_penalty_factor, p["dapo"].reward_scale) == (4096, 1.0, "signed")
+    assert (p["entropy20"].token_rule, p["entropy20"].scope, p["entropy20"].top_fraction) == (
+        "high_entropy",
+        "mini_batch",
+        0.2,
+    )
+    assert (p["dapo"].overlong_buffer, p["dapo"].overlong_penalty_factor, p["dapo"].reward_scale) == (
+        4096,
+        1.0,
+        "signed",
+    )
     j = p["justrl"]
     assert (1 - j.eps_low, 1 + j.eps_high) == (0.8, 1.28)
     assert j.kl_coef == j.entropy_coef == 0 and not j.dynamic_sampling and not j.overlong_shaping
@@ -119,7 +127,9 @@ def test_each_preset_behaves_as_documented():
 
     stapo = build(AlgoConfig, "stapo")
     keeps = _keep(stapo, micro)
-    whole = s2t_mask(*(torch.cat([getattr(s, f) for s in micro]) for f in ("logprob", "entropy", "advantages", "response_mask")))
+    whole = s2t_mask(
+        *(torch.cat([getattr(s, f) for s in micro]) for f in ("logprob", "entropy", "advantages", "response_mask"))
+    )
     assert torch.equal(torch.cat(keeps), whole)  # one quantile over the whole mini-batch
     candidates = sum(int(select_tokens(stapo, s, minibatch_threshold(stapo, micro)).candidates.sum()) for s in micro)
     silenced = sum(int((s.response_mask & (k == 0)).sum()) for s, k in zip(micro, keeps))

@@ -73,7 +73,9 @@ def test_entropy_gradient_temperature_and_chunking_match_reference():
 
     # Only the entropy in the loss: the log-prob's gradient is absent, not assumed.
     logits.grad = None
-    _, ent = vocab_parallel_logprob_entropy(logits, targets, temperature=temperature, vocab_size=vocab, entropy_grad=True)
+    _, ent = vocab_parallel_logprob_entropy(
+        logits, targets, temperature=temperature, vocab_size=vocab, entropy_grad=True
+    )
     (ent * w_ent).sum().backward()
     ref_in.grad = None
     _, ref_ent = reference_logprob_entropy(ref_in, targets, vocab, temperature)
@@ -96,7 +98,9 @@ def test_masked_logits(dtype):
     assert abs(lp[1].item()) < 1e-6 and abs(ent[1].item()) < 1e-6  # one token left: certain
     torch.testing.assert_close(lp.double(), ref_lp.detach(), atol=1e-5, rtol=0)
     torch.testing.assert_close(ent.double(), ref_ent.detach(), atol=1e-5, rtol=0)
-    torch.testing.assert_close(logits.grad.double(), ref_in.grad, atol=1e-6, rtol=2.0**-8 if dtype == torch.bfloat16 else 0)
+    torch.testing.assert_close(
+        logits.grad.double(), ref_in.grad, atol=1e-6, rtol=2.0**-8 if dtype == torch.bfloat16 else 0
+    )
     assert torch.isfinite(logits.grad).all()
 
 

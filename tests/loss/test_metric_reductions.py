@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import stapo_megatron.trainer.rollout  # noqa: F401  (declares the rollout metrics)
-from stapo_megatron.loss import policy_loss
 from stapo_megatron.loss import metrics as M
+from stapo_megatron.loss import policy_loss
 from stapo_megatron.loss.metrics import Reduction, all_reduce_metrics, combine_steps, declare, reduce_metrics
 from stapo_megatron.trainer.update import summarize_loss_metrics
 
@@ -43,7 +43,11 @@ def test_each_reduction_over_optimizer_steps():
     rows = [
         {"test/count": 30.0, "test/largest": 2.0, "test/smallest": 0.5, "test/plain": 1.0, "test/fraction": 0.1},
         {"test/count": 10.0, "test/largest": 7.0, "test/smallest": 0.25, "test/plain": 4.0, "test/fraction": 0.5},
-        {"test/count": 5.0, "test/plain": float("nan"), "test/fraction": float("nan")},  # null: left out, with its weight
+        {
+            "test/count": 5.0,
+            "test/plain": float("nan"),
+            "test/fraction": float("nan"),
+        },  # null: left out, with its weight
     ]
     out = combine_steps(rows)
     assert out["test/count"] == 45.0
@@ -82,12 +86,25 @@ def test_all_reduce_sends_one_fp64_vector_per_kind(monkeypatch):
 
     monkeypatch.setattr(dist, "get_world_size", lambda group: 2)
     monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
-    metrics = {"test_raw_sum": _t(3.0), "response_tokens": _t(7.0), "test_raw_max": torch.tensor(1.5), "test_raw_min": _t(0.5)}
+    metrics = {
+        "test_raw_sum": _t(3.0),
+        "response_tokens": _t(7.0),
+        "test_raw_max": torch.tensor(1.5),
+        "test_raw_min": _t(0.5),
+    }
     out = all_reduce_metrics(metrics, group=object(), device=torch.device("cpu"))
     assert [(op, dtype) for op, dtype, _, _ in calls] == [
-        (dist.ReduceOp.SUM, torch.float64), (dist.ReduceOp.MAX, torch.float64), (dist.ReduceOp.MIN, torch.float64)]
+        (dist.ReduceOp.SUM, torch.float64),
+        (dist.ReduceOp.MAX, torch.float64),
+        (dist.ReduceOp.MIN, torch.float64),
+    ]
     assert calls[0][3] == [7.0, 3.0]  # sorted by name: response_tokens, test_raw_sum
-    assert {k: float(v) for k, v in out.items()} == {"test_raw_sum": 6.0, "response_tokens": 14.0, "test_raw_max": 3.0, "test_raw_min": 1.0}
+    assert {k: float(v) for k, v in out.items()} == {
+        "test_raw_sum": 6.0,
+        "response_tokens": 14.0,
+        "test_raw_max": 3.0,
+        "test_raw_min": 1.0,
+    }
 
 
 def _step(silenced_per_row: list[int], tokens_per_row: int, ratio: float):
@@ -100,9 +117,17 @@ def _step(silenced_per_row: list[int], tokens_per_row: int, ratio: float):
     old = torch.full((rows, tokens_per_row), -1.0)
     logprob = old + math.log(ratio)
     advantages = torch.tensor([1.0 if r % 2 == 0 else -1.0 for r in range(rows)])
-    raw = [policy_loss(logprob[r : r + 1], old[r : r + 1], advantages[r : r + 1], keep[r : r + 1],
-                       response_mask=torch.ones(1, tokens_per_row), entropy=torch.full((1, tokens_per_row), 0.5 + r))[2]
-           for r in range(rows)]
+    raw = [
+        policy_loss(
+            logprob[r : r + 1],
+            old[r : r + 1],
+            advantages[r : r + 1],
+            keep[r : r + 1],
+            response_mask=torch.ones(1, tokens_per_row),
+            entropy=torch.full((1, tokens_per_row), 0.5 + r),
+        )[2]
+        for r in range(rows)
+    ]
     return summarize_loss_metrics(reduce_metrics(raw))
 
 
@@ -110,7 +135,9 @@ def test_two_optimizer_steps_with_different_token_counts_combine_token_weighted(
     # step 1: 2 rows x 10 tokens, 1 + 3 silenced (4 / 20); step 2: 1 row x 4 tokens, 3 silenced (3 / 4)
     first = _step([1, 3], 10, ratio=1.5)  # A > 0 row: clip-high (1.5 > 1.28); A < 0 row: not clipped
     second = _step([3], 4, ratio=1.5)
-    assert first["s2t/masked_fraction"] == pytest.approx(4 / 20) and second["s2t/masked_fraction"] == pytest.approx(3 / 4)
+    assert first["s2t/masked_fraction"] == pytest.approx(4 / 20) and second["s2t/masked_fraction"] == pytest.approx(
+        3 / 4
+    )
     step = combine_steps([first, second])
     # by hand: every response token of the step (24), every silenced one (7)
     assert step["s2t/masked_fraction"] == pytest.approx(7 / 24, rel=1e-12)
@@ -129,10 +156,18 @@ def test_two_optimizer_steps_with_different_token_counts_combine_token_weighted(
 def test_every_metric_of_the_loss_and_the_update_is_declared():
     logprob = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
     raw = policy_loss(
-        logprob, logprob - 0.1, torch.tensor([1.0]), torch.tensor([[1.0, 0.0, 1.0, 1.0]]),
-        ref_logprob=logprob + 0.2, entropy=torch.rand(1, 4), aggregation="seq_mean_token_mean",
-        response_mask=torch.ones(1, 4), candidates=torch.tensor([[0, 1, 0, 0]]), tau_h=torch.tensor(0.3),
-        rollout_logprob=logprob - 0.05, rollout_correction="tis_token",
+        logprob,
+        logprob - 0.1,
+        torch.tensor([1.0]),
+        torch.tensor([[1.0, 0.0, 1.0, 1.0]]),
+        ref_logprob=logprob + 0.2,
+        entropy=torch.rand(1, 4),
+        aggregation="seq_mean_token_mean",
+        response_mask=torch.ones(1, 4),
+        candidates=torch.tensor([[0, 1, 0, 0]]),
+        tau_h=torch.tensor(0.3),
+        rollout_logprob=logprob - 0.05,
+        rollout_correction="tis_token",
     )[2]
     raw["skipped_tokens"] = _t(0.0)
     kinds = {k: M.spec_of(k).reduction for k in raw}  # an undeclared key raises here

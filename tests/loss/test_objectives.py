@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from stapo_megatron.config import ConfigError, build
-from stapo_megatron.loss import AlgoConfig, get_objective, policy_loss, reduce_metrics, token_seed, zero_advantage_skippable
+from stapo_megatron.loss import (
+    AlgoConfig,
+    get_objective,
+    policy_loss,
+    reduce_metrics,
+    token_seed,
+    zero_advantage_skippable,
+)
 from stapo_megatron.loss.objectives import SurrogateInputs
 
 # ---------------------------------------------------------------------------------------------
@@ -94,9 +101,18 @@ def _ours(lp, old, adv, mask, cfg, **kw):
     """policy_loss of the objective in ``cfg`` on fp32 inputs; returns (loss, n, metrics, grad)."""
     x = lp.float().clone().requires_grad_()
     loss_sum, n, metrics = policy_loss(
-        x, old.float(), adv.float(), mask.float(), eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-        clip_ratio_c=cfg.clip_ratio_c, aggregation=cfg.aggregation, response_mask=mask,
-        objective=cfg.objective, objective_cfg=cfg, **kw,
+        x,
+        old.float(),
+        adv.float(),
+        mask.float(),
+        eps_low=cfg.eps_low,
+        eps_high=cfg.eps_high,
+        clip_ratio_c=cfg.clip_ratio_c,
+        aggregation=cfg.aggregation,
+        response_mask=mask,
+        objective=cfg.objective,
+        objective_cfg=cfg,
+        **kw,
     )
     (loss_sum / n).backward()
     return loss_sum / n, n, metrics, x.grad
@@ -119,10 +135,25 @@ def _selected(lp, old, adv, mask, cfg, seed=0):
     """The objective's own token choice on the same inputs policy_loss gets."""
     advantages = adv.float()[:, None].expand_as(lp).contiguous()
     log_ratio = torch.where(mask, lp.float() - old.float(), 0.0).clamp(-20, 20)
-    return get_objective(cfg.objective).surrogate(SurrogateInputs(
-        lp.float(), log_ratio, advantages, mask, cfg.eps_low, cfg.eps_high, cfg.clip_ratio_c, 20.0,
-        None, cfg, seed,
-    )).selected
+    return (
+        get_objective(cfg.objective)
+        .surrogate(
+            SurrogateInputs(
+                lp.float(),
+                log_ratio,
+                advantages,
+                mask,
+                cfg.eps_low,
+                cfg.eps_high,
+                cfg.clip_ratio_c,
+                20.0,
+                None,
+                cfg,
+                seed,
+            )
+        )
+        .selected
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,7 +227,12 @@ def test_kl_cov_against_reference(ratio):
     # no ratio clip: far ratios keep their gradient -A r (ppo_clip would zero it)
     far = mask & ~top & (a > 0) & (torch.exp(lp - old) > 1 + cfg.eps_high)
     assert far.any() and (grad[far] != 0).all()
-    assert float(metrics["clip_high_tokens"]) == float(metrics["clip_low_tokens"]) == float(metrics["dual_clip_tokens"]) == 0
+    assert (
+        float(metrics["clip_high_tokens"])
+        == float(metrics["clip_low_tokens"])
+        == float(metrics["dual_clip_tokens"])
+        == 0
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,8 +241,9 @@ def test_kl_cov_against_reference(ratio):
 
 
 def _gspo_cfg(**kw):
-    return AlgoConfig(objective="gspo", token_rule="all", aggregation="seq_mean_token_mean",
-                      eps_low=3e-4, eps_high=4e-4, **kw)
+    return AlgoConfig(
+        objective="gspo", token_rule="all", aggregation="seq_mean_token_mean", eps_low=3e-4, eps_high=4e-4, **kw
+    )
 
 
 @pytest.mark.parametrize("spread", [0.0005, 0.05])  # inside the clip range / mostly clipped
@@ -243,20 +280,31 @@ def test_gspo_packed_rows_equal_one_row_per_sequence():
     packed_mask = flat(mask)
     x = flat(lp).float().clone().requires_grad_()
     loss_sum, n, _ = policy_loss(
-        x, flat(old).float(), packed_adv.float(), packed_mask.float(), eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-        aggregation=cfg.aggregation, response_mask=packed_mask, segment_ids=segments,
-        objective="gspo", objective_cfg=cfg,
+        x,
+        flat(old).float(),
+        packed_adv.float(),
+        packed_mask.float(),
+        eps_low=cfg.eps_low,
+        eps_high=cfg.eps_high,
+        aggregation=cfg.aggregation,
+        response_mask=packed_mask,
+        segment_ids=segments,
+        objective="gspo",
+        objective_cfg=cfg,
     )
     (loss_sum / n).backward()
     assert int(n) == int(row_n) == 6
     _close(loss_sum / n, row_loss, "gspo packed loss", tol=1e-6)
-    _close(x.grad[0, : int(lengths.sum())], torch.cat([row_grad[i, : lengths[i]] for i in range(6)]), "gspo packed grad")
+    _close(
+        x.grad[0, : int(lengths.sum())], torch.cat([row_grad[i, : lengths[i]] for i in range(6)]), "gspo packed grad"
+    )
 
 
 def test_gspo_needs_rows_or_segments():
     with pytest.raises(ValueError, match="^logprob: gspo needs"):
-        policy_loss(torch.zeros(8), torch.zeros(8), torch.ones(8), torch.ones(8), objective="gspo",
-                    aggregation="token_mean")
+        policy_loss(
+            torch.zeros(8), torch.zeros(8), torch.ones(8), torch.ones(8), objective="gspo", aggregation="token_mean"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,10 +325,18 @@ def test_skipping_zero_advantage_sequences_is_exact_for_gspo_and_not_for_kl_cov(
     cfg = _gspo_cfg()
     full, _, _, full_grad = _ours(lp, old, adv, mask, cfg)
     x = lp[keep].float().clone().requires_grad_()
-    loss_sum, n, _ = policy_loss(x, old[keep].float(), adv[keep].float(), mask[keep].float(),
-                                 eps_low=cfg.eps_low, eps_high=cfg.eps_high, aggregation=cfg.aggregation,
-                                 objective="gspo", objective_cfg=cfg)
-    ((loss_sum / (n + 1))).backward()  # the left-out sequence counts in the denominator, as the trainer adds it
+    loss_sum, n, _ = policy_loss(
+        x,
+        old[keep].float(),
+        adv[keep].float(),
+        mask[keep].float(),
+        eps_low=cfg.eps_low,
+        eps_high=cfg.eps_high,
+        aggregation=cfg.aggregation,
+        objective="gspo",
+        objective_cfg=cfg,
+    )
+    (loss_sum / (n + 1)).backward()  # the left-out sequence counts in the denominator, as the trainer adds it
     _close(loss_sum / (n + 1), full, "gspo loss without the A = 0 sequence", tol=1e-6)
     _close(x.grad, full_grad[keep], "gspo gradient without the A = 0 sequence", tol=1e-6)
     assert (full_grad[~keep] == 0).all()
@@ -304,13 +360,15 @@ def test_objective_acts_on_the_tokens_the_rule_keeps_and_metrics_reduce():
     keep = mask.clone()
     keep[0, :10] = False  # silenced by a token rule: out of the loss, the covariance and the count
     x = lp.float().clone().requires_grad_()
-    _, n, m1 = policy_loss(x, old.float(), adv.float(), keep.float(), response_mask=mask,
-                           objective="kl_cov", objective_cfg=cfg)
+    _, n, m1 = policy_loss(
+        x, old.float(), adv.float(), keep.float(), response_mask=mask, objective="kl_cov", objective_cfg=cfg
+    )
     assert int(n) == int(keep.sum())
     ref_loss, top = ref_kl_cov(lp, old, adv[:, None].expand_as(lp), keep, cfg)
     assert not (top & ~keep).any()
-    _, _, m2 = policy_loss(x, old.float(), adv.float(), keep.float(), response_mask=mask,
-                           objective="kl_cov", objective_cfg=cfg)
+    _, _, m2 = policy_loss(
+        x, old.float(), adv.float(), keep.float(), response_mask=mask, objective="kl_cov", objective_cfg=cfg
+    )
     total = reduce_metrics([m1, m2])
     assert float(total["cov_selected_tokens"]) == 2 * float(top.sum())
 
@@ -330,7 +388,12 @@ def test_config_checks_name_the_field():
 def test_presets_follow_the_reference_recipes():
     grpo, justrl, dapo = (build(AlgoConfig, name) for name in ("grpo", "justrl", "dapo"))
     clip_cov, kl_cov, gspo = (build(AlgoConfig, name) for name in ("clip_cov", "kl_cov", "gspo"))
-    assert (clip_cov.objective, clip_cov.clip_cov_ratio, clip_cov.clip_cov_lb, clip_cov.clip_cov_ub) == ("clip_cov", 2e-4, 1.0, 5.0)
+    assert (clip_cov.objective, clip_cov.clip_cov_ratio, clip_cov.clip_cov_lb, clip_cov.clip_cov_ub) == (
+        "clip_cov",
+        2e-4,
+        1.0,
+        5.0,
+    )
     assert (clip_cov.eps_low, clip_cov.eps_high, clip_cov.clip_ratio_c) == (1.0, 1.0, 10.0)
     assert (kl_cov.objective, kl_cov.kl_cov_ratio, kl_cov.kl_cov_coef) == ("kl_cov", 2e-3, 1.0)
     assert (kl_cov.eps_low, kl_cov.eps_high, kl_cov.clip_ratio_c) == (0.2, 0.2, 10.0)
@@ -340,7 +403,12 @@ def test_presets_follow_the_reference_recipes():
     diff = lambda a, b: {f for f in AlgoConfig.__dataclass_fields__ if getattr(a, f) != getattr(b, f)}  # noqa: E731
     assert diff(dapo, clip_cov) == {"name", "objective", "eps_low", "eps_high", "overlong_shaping"}
     assert diff(dapo, kl_cov) == {"name", "objective", "eps_high", "overlong_shaping"}
-    assert (gspo.objective, gspo.eps_low, gspo.eps_high, gspo.aggregation) == ("gspo", 3e-4, 4e-4, "seq_mean_token_mean")
+    assert (gspo.objective, gspo.eps_low, gspo.eps_high, gspo.aggregation) == (
+        "gspo",
+        3e-4,
+        4e-4,
+        "seq_mean_token_mean",
+    )
     assert diff(justrl, gspo) == {"name", "objective", "eps_low", "eps_high", "aggregation", "clip_ratio_c"}
     assert gspo.clip_ratio_c == grpo.clip_ratio_c == 3.0
 

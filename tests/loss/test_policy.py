@@ -23,7 +23,9 @@ def _case():
 
 def test_clip_higher_values_and_gradients():
     logprob, old, adv, keep = _case()
-    loss_sum, n, metrics = policy_loss(logprob, old, adv, keep, eps_low=0.2, eps_high=0.28, response_mask=torch.ones(1, 5))
+    loss_sum, n, metrics = policy_loss(
+        logprob, old, adv, keep, eps_low=0.2, eps_high=0.28, response_mask=torch.ones(1, 5)
+    )
     # per token: -min(rA, clip(r)A)
     expected = [-(1.28 * 2.0), -(0.8 * -1.0), -(1.1 * 2.0), -(0.9 * -1.0)]
     assert math.isclose(loss_sum.item(), sum(expected), rel_tol=1e-6)
@@ -49,7 +51,9 @@ def test_padding_garbage_never_reaches_loss_or_gradient():
     logprob = torch.tensor([[-1.0, float("nan"), 50.0, -float("inf")]], requires_grad=True)
     old = torch.tensor([[-1.2, 0.0, -50.0, 0.0]])
     keep = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
-    loss_sum, n, metrics = policy_loss(logprob, old, torch.tensor([1.0]), keep, response_mask=torch.tensor([[1, 1, 1, 0]]))
+    loss_sum, n, metrics = policy_loss(
+        logprob, old, torch.tensor([1.0]), keep, response_mask=torch.tensor([[1, 1, 1, 0]])
+    )
     loss_sum.backward()
     assert torch.isfinite(loss_sum) and torch.isfinite(logprob.grad).all()
     assert logprob.grad[0, 1:].abs().sum() == 0
@@ -80,8 +84,14 @@ def test_kl_and_entropy_terms():
     keep = torch.ones(1, 2)
     base, _, _ = policy_loss(logprob, logprob.detach(), torch.tensor([1.0]), keep)
     total, _, metrics = policy_loss(
-        logprob, logprob.detach(), torch.tensor([1.0]), keep,
-        ref_logprob=ref, kl_coef=0.1, entropy=entropy, entropy_coef=0.01,
+        logprob,
+        logprob.detach(),
+        torch.tensor([1.0]),
+        keep,
+        ref_logprob=ref,
+        kl_coef=0.1,
+        entropy=entropy,
+        entropy_coef=0.01,
     )
     kl = k3(ref - logprob.detach())
     assert torch.all(kl >= 0)
@@ -108,8 +118,19 @@ def test_metrics_reduce_over_micro_batches():
     logprob, old, adv, keep = _case()
     cand = torch.tensor([[True, False, False, False, True]])
     real = torch.ones(1, 5)
-    a = policy_loss(logprob, old, adv, keep, response_mask=real, candidates=cand, tau_h=torch.tensor(0.3), entropy=torch.rand(1, 5))[2]
-    b = policy_loss(logprob * 0.5, old, adv, keep, response_mask=real, candidates=cand, tau_h=torch.tensor(float("inf")), entropy=torch.rand(1, 5))[2]
+    a = policy_loss(
+        logprob, old, adv, keep, response_mask=real, candidates=cand, tau_h=torch.tensor(0.3), entropy=torch.rand(1, 5)
+    )[2]
+    b = policy_loss(
+        logprob * 0.5,
+        old,
+        adv,
+        keep,
+        response_mask=real,
+        candidates=cand,
+        tau_h=torch.tensor(float("inf")),
+        entropy=torch.rand(1, 5),
+    )[2]
     total = reduce_metrics([a, b])
     assert int(total["kept_tokens"]) == 8 and int(total["candidate_tokens"]) == 4
     assert int(total["silenced_candidate_tokens"]) == 2

@@ -44,7 +44,9 @@ def reference_weights(micro, p, w, m, variant, gate_on):
     """The paper's weights in fp64 over the whole list, written from its definition: in each of
     T+ = {A > 0} and T- = {A < 0} (C2 only) the ceil(P n) tokens of highest surprisal -log p get W
     (resp. M), every other response token 1, padding 0; all 1 when the gate is off."""
-    flat = [(s.logprob.double().reshape(-1), s.advantages.double().reshape(-1), s.response_mask.reshape(-1)) for s in micro]
+    flat = [
+        (s.logprob.double().reshape(-1), s.advantages.double().reshape(-1), s.response_mask.reshape(-1)) for s in micro
+    ]
     lp = torch.cat([f[0] for f in flat])
     adv = torch.cat([f[1] for f in flat])
     real = torch.cat([f[2] for f in flat])
@@ -66,7 +68,9 @@ def _selected(cfg, micro):
 @pytest.mark.parametrize("variant", ["O1", "C2"])
 @pytest.mark.parametrize("p", [0.1, 0.25, 1.0])
 def test_stare_weights_match_fp64_reference_over_the_minibatch(variant, p):
-    cfg = AlgoConfig(token_rule="stare", stare_variant=variant, stare_top_fraction=p, stare_weight_w=1.3, stare_weight_m=0.6)
+    cfg = AlgoConfig(
+        token_rule="stare", stare_variant=variant, stare_top_fraction=p, stare_weight_w=1.3, stare_weight_m=0.6
+    )
     micro = _micro_batches()
     keeps = _selected(cfg, micro)
     expected = reference_weights(micro, p, 1.3, 0.6, variant, gate_on=True)
@@ -108,7 +112,9 @@ def test_stare_micro_batch_scope_ranks_each_micro_batch_alone():
 
 def test_stare_ties_at_the_cut_are_all_lifted():
     lp = torch.log(torch.tensor([[0.01, 0.01, 0.01, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99]]))
-    s = TokenStats(lp, torch.ones_like(lp), torch.tensor([1.0]), torch.ones_like(lp, dtype=torch.bool), step_entropy=0.0)
+    s = TokenStats(
+        lp, torch.ones_like(lp), torch.tensor([1.0]), torch.ones_like(lp, dtype=torch.bool), step_entropy=0.0
+    )
     keep = select_tokens(AlgoConfig(token_rule="stare", scope="micro_batch"), s, None).keep
     # ceil(0.1 * 10) = 1 token at the cut, but three share its surprisal: all three get W
     assert torch.equal(keep, torch.tensor([[1.1, 1.1, 1.1] + [1.0] * 7]))
@@ -169,9 +175,22 @@ def test_stare_preset_is_the_reference_script():
     assert (stare.token_rule, stare.stare_variant, stare.stare_top_fraction) == ("stare", "O1", 0.1)
     assert (stare.stare_weight_w, stare.stare_weight_m, stare.stare_target_entropy) == (1.1, 0.9, 0.3)
     # the script's base: DAPO's clip_ratio_c 10 and filter_groups, on a 0/1 reward, no overlong buffer
-    differing = {f for f in ("token_rule", "reward_scale", "overlong_shaping", "clip_ratio_c", "dynamic_sampling",
-                             "eps_low", "eps_high", "aggregation", "kl_coef", "entropy_coef")
-                 if getattr(stare, f) != getattr(dapo, f)}
+    differing = {
+        f
+        for f in (
+            "token_rule",
+            "reward_scale",
+            "overlong_shaping",
+            "clip_ratio_c",
+            "dynamic_sampling",
+            "eps_low",
+            "eps_high",
+            "aggregation",
+            "kl_coef",
+            "entropy_coef",
+        )
+        if getattr(stare, f) != getattr(dapo, f)
+    }
     assert differing == {"token_rule", "reward_scale", "overlong_shaping"}
     assert (stare.reward_scale, stare.overlong_shaping, stare.scope) == ("binary", False, "mini_batch")
 

@@ -52,7 +52,13 @@ def test_truncated_and_masked_weights_by_hand():
     torch.testing.assert_close(geo.weight[1, :3], torch.full((3,), 1.2))
     mis_geo = rollout_correction(old, rollout, mask, "mis_geo", cap=1.2)
     assert mis_geo.accepted.tolist() == [[True, True, True, True, False], [False] * 5]
-    assert rollout_correction(old, rollout, mask, "mis_geo", cap=1.5).accepted[1].tolist() == [True, True, True, False, False]
+    assert rollout_correction(old, rollout, mask, "mis_geo", cap=1.5).accepted[1].tolist() == [
+        True,
+        True,
+        True,
+        False,
+        False,
+    ]
 
     none = rollout_correction(old, rollout, mask, "none")
     assert torch.equal(none.weight, torch.ones(2, 5)) and none.accepted.tolist() == mask.bool().tolist()
@@ -69,7 +75,9 @@ def test_policy_loss_applies_the_correction():
     base, base_n, base_m = policy_loss(logprob, old, adv, mask, response_mask=mask, rollout_logprob=rollout)
     assert math.isclose(base.item(), -7.0) and int(base_n) == 7 and "rollout_weight_sum" not in base_m
 
-    tis, n, m = policy_loss(logprob, old, adv, mask, response_mask=mask, rollout_logprob=rollout, rollout_correction="tis_token")
+    tis, n, m = policy_loss(
+        logprob, old, adv, mask, response_mask=mask, rollout_logprob=rollout, rollout_correction="tis_token"
+    )
     assert math.isclose(tis.item(), -(2 + 0.25 + 1 + 1.5) - (2 + 1 + 1), rel_tol=1e-6) and int(n) == 7
     tis.backward()
     # d(-A r w)/dlogp = -w at r = 1; padding gets nothing
@@ -77,17 +85,23 @@ def test_policy_loss_applies_the_correction():
     assert int(m["rollout_truncated_tokens"]) == 2 and int(m["rollout_rejected_tokens"]) == 0
     assert math.isclose(float(m["rollout_weight_sum"]), 8.75, rel_tol=1e-6)
 
-    mis, n, m = policy_loss(logprob, old, adv, mask, response_mask=mask, rollout_logprob=rollout, rollout_correction="mis_token")
+    mis, n, m = policy_loss(
+        logprob, old, adv, mask, response_mask=mask, rollout_logprob=rollout, rollout_correction="mis_token"
+    )
     assert math.isclose(mis.item(), -4.0) and int(n) == 4  # rejected tokens leave the count too
     assert int(m["rollout_rejected_tokens"]) == 3 and int(m["silenced_tokens"]) == 0 and int(m["kept_tokens"]) == 4
 
-    seq, n, _ = policy_loss(logprob, old, adv, mask, response_mask=mask, rollout_logprob=rollout, rollout_correction="mis_seq")
+    seq, n, _ = policy_loss(
+        logprob, old, adv, mask, response_mask=mask, rollout_logprob=rollout, rollout_correction="mis_seq"
+    )
     assert math.isclose(seq.item(), -4.0) and int(n) == 4
 
     # a token the rule silenced stays silenced and is not counted as a rejection
     keep = mask.clone()
     keep[0, 0] = 0.0
-    _, n, m = policy_loss(logprob, old, adv, keep, response_mask=mask, rollout_logprob=rollout, rollout_correction="mis_token")
+    _, n, m = policy_loss(
+        logprob, old, adv, keep, response_mask=mask, rollout_logprob=rollout, rollout_correction="mis_token"
+    )
     assert int(n) == 4 and int(m["silenced_tokens"]) == 1 and int(m["rollout_rejected_tokens"]) == 2
     with pytest.raises(ValueError, match="^rollout_logprob: needed when rollout_correction is 'tis_seq'"):
         policy_loss(logprob, old, adv, mask, rollout_correction="tis_seq")

@@ -195,7 +195,9 @@ def test_scopes_threshold_then_keep():
     assert needs_statistics_pass(stapo)
     threshold = minibatch_threshold(stapo, micro)
     # the mini-batch threshold is the one over the concatenated mini-batch
-    cat = TokenStats(*(torch.cat([getattr(s, f) for s in micro]) for f in ("logprob", "entropy", "advantages", "response_mask")))
+    cat = TokenStats(
+        *(torch.cat([getattr(s, f) for s in micro]) for f in ("logprob", "entropy", "advantages", "response_mask"))
+    )
     whole = s2t_mask(cat.logprob, cat.entropy, cat.advantages, cat.response_mask)
     keeps = [select_tokens(stapo, s, threshold).keep for s in micro]
     assert torch.equal(torch.cat(keeps), whole)
@@ -213,7 +215,9 @@ def test_scopes_threshold_then_keep():
     assert not needs_statistics_pass(fixed)
     sel = select_tokens(fixed, micro[0])
     assert float(sel.threshold) == 0.5
-    assert torch.equal(sel.keep, s2t_mask(micro[0].logprob, micro[0].entropy, micro[0].advantages, micro[0].response_mask, tau_h=0.5))
+    assert torch.equal(
+        sel.keep, s2t_mask(micro[0].logprob, micro[0].entropy, micro[0].advantages, micro[0].response_mask, tau_h=0.5)
+    )
 
     grpo = AlgoConfig(token_rule="all")
     assert not needs_statistics_pass(grpo)

@@ -117,11 +117,7 @@ def test_conversion_errors_name_the_fault(tiny_hf, tmp_path, case, kwargs, messa
         "not_qwen3": dict(edit_config=lambda c: c.update(model_type="llama", architectures=["LlamaForCausalLM"])),
         "missing": dict(edit_tensors=lambda t: t.pop("model.layers.2.mlp.up_proj.weight")),
         "extra": dict(edit_tensors=lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)})),
-        "shape": dict(
-            edit_tensors=lambda t: t.update(
-                {"model.layers.1.self_attn.k_proj.weight": torch.zeros(16, 64)}
-            )
-        ),
+        "shape": dict(edit_tensors=lambda t: t.update({"model.layers.1.self_attn.k_proj.weight": torch.zeros(16, 64)})),
     }
     source = _variant(tiny_hf, tmp_path, **edits.get(case, {}))
     with pytest.raises(ConfigError, match=message):
@@ -131,7 +127,19 @@ def test_conversion_errors_name_the_fault(tiny_hf, tmp_path, case, kwargs, messa
 
 def test_cli_reports_one_line_error(tiny_hf, tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "stapo_megatron.cli", "convert", "hf-to-megatron", "--hf", str(tiny_hf), "--out", str(tmp_path / "o"), "--tp", "3"],
+        [
+            sys.executable,
+            "-m",
+            "stapo_megatron.cli",
+            "convert",
+            "hf-to-megatron",
+            "--hf",
+            str(tiny_hf),
+            "--out",
+            str(tmp_path / "o"),
+            "--tp",
+            "3",
+        ],
         capture_output=True,
         text=True,
     )

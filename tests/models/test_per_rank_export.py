@@ -87,9 +87,17 @@ def export_every_rank(tp: int, pp: int, cases: list[tuple[str, str]]) -> None:
             f"rank {ctx.rank}: {meter.peak} bytes of buckets and gather buffers alive at once > 2 buckets of {bucket_bytes}"
         )
         assert meter.peak_buckets <= 2, f"rank {ctx.rank}: {meter.peak_buckets} buckets alive at once"
-        torch.save({"received": received, "buckets": sent, "peak": meter.peak, "peak_buckets": meter.peak_buckets,
-                    "bucket_bytes": bucket_bytes, "own_shard_bytes": own_shard_bytes},
-                   f"{out_prefix}.rank{ctx.rank}.pt")
+        torch.save(
+            {
+                "received": received,
+                "buckets": sent,
+                "peak": meter.peak,
+                "peak_buckets": meter.peak_buckets,
+                "bucket_bytes": bucket_bytes,
+                "own_shard_bytes": own_shard_bytes,
+            },
+            f"{out_prefix}.rank{ctx.rank}.pt",
+        )
         dist.barrier(group=ctx.cpu_group)
 
 
@@ -100,7 +108,10 @@ def checkpoints(tmp_path_factory):
     # largest parameter hold a few parameters each and every rank sends several. 300 is padded to 512 at
     # TP2: the last TP rank's shard is part vocabulary, part padding rows that must not be exported.
     vocab = {True: 256, False: 300}
-    return {tie: save_tiny_qwen3(root / f"hf_tie{int(tie)}", tie=tie, seed=3 + tie, vocab_size=vocab[tie]) for tie in (True, False)}
+    return {
+        tie: save_tiny_qwen3(root / f"hf_tie{int(tie)}", tie=tie, seed=3 + tie, vocab_size=vocab[tie])
+        for tie in (True, False)
+    }
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)], ids=["TP2", "PP2", "TP2xPP2"])

@@ -21,8 +21,15 @@ from stapo_megatron.models.qwen3.parallelize import sequence_multiple
 from stapo_megatron.runtime.launch import spawn_ranks
 
 ARCH = Qwen3Config(
-    vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=False,
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
 )
 # (prompt, response) lengths: a long and a short one per micro-batch, lengths not multiples of 2
 SEQUENCES = [[(5, 30), (3, 4)], [(7, 1), (2, 12)], [(4, 22)]]
@@ -47,10 +54,15 @@ def _microbatches(multiple: int, seed: int = 0) -> list[dict]:
             ids[row, :n], labels[row, :n] = tokens[:-1], tokens[1:]
             mask[row, prompt - 1 : n] = 1.0
             advantages[row, prompt - 1 : n] = float(torch.randn((), generator=generator))
-        batches.append({
-            "input_ids": ids, "labels": labels, "response_mask": mask, "advantages": advantages,
-            "position_ids": torch.arange(width).expand(len(chunk), width).contiguous(),
-        })
+        batches.append(
+            {
+                "input_ids": ids,
+                "labels": labels,
+                "response_mask": mask,
+                "advantages": advantages,
+                "position_ids": torch.arange(width).expand(len(chunk), width).contiguous(),
+            }
+        )
     return batches
 
 
@@ -75,7 +87,8 @@ def run_with_and_without_sequence_parallel(out: str) -> None:
                 for n, p in model.named_parameters():
                     p.copy_(weights[n])
         ddp = DistributedDataParallel(
-            config=model.config, module=model,
+            config=model.config,
+            module=model,
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
         )
         model.config.finalize_model_grads_func = finalize_model_grads
@@ -83,20 +96,31 @@ def run_with_and_without_sequence_parallel(out: str) -> None:
         batches = _microbatches(sequence_multiple(TP, sp))
 
         def statistics(logits, batch):
-            return vocab_parallel_logprob_entropy(logits, batch["labels"], tp_group=ctx.tp_group, chunk_size=16,
-                                                  vocab_size=ARCH.vocab_size)
+            return vocab_parallel_logprob_entropy(
+                logits, batch["labels"], tp_group=ctx.tp_group, chunk_size=16, vocab_size=ARCH.vocab_size
+            )
 
         stats = forward_only(ddp, batches, statistics)
 
         def loss_fn(logits, batch):
             logprob, entropy = vocab_parallel_logprob_entropy(
-                logits, batch["labels"], tp_group=ctx.tp_group, chunk_size=16, vocab_size=ARCH.vocab_size,
+                logits,
+                batch["labels"],
+                tp_group=ctx.tp_group,
+                chunk_size=16,
+                vocab_size=ARCH.vocab_size,
                 entropy_grad=True,
             )
             old = logprob.detach() - 0.05 * batch["response_mask"]  # ratios off 1: the clip terms matter
-            loss_sum, tokens, _ = policy_loss(logprob, old, batch["advantages"], batch["response_mask"],
-                                                    entropy=entropy, entropy_coef=0.01,
-                                                    response_mask=batch["response_mask"])
+            loss_sum, tokens, _ = policy_loss(
+                logprob,
+                old,
+                batch["advantages"],
+                batch["response_mask"],
+                entropy=entropy,
+                entropy_coef=0.01,
+                response_mask=batch["response_mask"],
+            )
             return loss_sum, tokens, {"loss_sum": loss_sum.detach()}
 
         ddp.zero_grad_buffer()
@@ -172,10 +196,21 @@ def test_training_config_accepts_sequence_parallel_and_uneven_stages_and_explain
 
     tiny = REPO_ROOT / "configs" / "tiny_cpu.yaml"
     # the local spec (no Transformer Engine here) trains with sequence parallelism; 3 layers over 2 stages
-    cfg = load_config(TrainConfig, tiny, ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true",
-                                          "parallel.pipeline_parallel=2", "model.num_hidden_layers=3"])
+    cfg = load_config(
+        TrainConfig,
+        tiny,
+        [
+            "parallel.tensor_parallel=2",
+            "parallel.sequence_parallel=true",
+            "parallel.pipeline_parallel=2",
+            "model.num_hidden_layers=3",
+        ],
+    )
     check_train_config(cfg, files=False)
     cfg = load_config(TrainConfig, tiny, ["parallel.context_parallel=2"])
-    with pytest.raises(ConfigError, match=r"^parallel.context_parallel: must be 1 \(context parallelism needs "
-                                          r"Transformer Engine's attention"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^parallel.context_parallel: must be 1 \(context parallelism needs "
+        r"Transformer Engine's attention",
+    ):
         check_train_config(cfg, files=False)

@@ -11,7 +11,12 @@ from stapo_megatron.checkpoint.convert import convert_hf_to_megatron, convert_me
 from stapo_megatron.cli import main
 from stapo_megatron.config import ConfigError, build
 from stapo_megatron.launch import plan
-from stapo_megatron.models.qwen3.config import Qwen3Config, first_and_last_stage_layers, first_layer_of_stage, pipeline_split
+from stapo_megatron.models.qwen3.config import (
+    Qwen3Config,
+    first_and_last_stage_layers,
+    first_layer_of_stage,
+    pipeline_split,
+)
 from stapo_megatron.models.qwen3.parallelize import check_layout
 from stapo_megatron.runtime.launch import spawn_ranks
 from tests.helpers import save_tiny_qwen3
@@ -39,8 +44,15 @@ def test_split_rule():
 
 
 def test_layout_checks_accept_uneven_splits():
-    arch = Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    arch = Qwen3Config(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     check_layout(arch, 2, 2)
     check_layout(arch, 1, 3)
     with pytest.raises(ConfigError, match="parallel.pipeline_parallel: 4 stages is more than the 3 layers"):
@@ -74,7 +86,9 @@ def check_uneven_stage(hf_dir: str, reference_file: str, out: str) -> None:
             for st in range(pp):
                 model = meta_stage(big, tp, pp, st)
                 assert all(p.device.type == "meta" for p in model.parameters())
-                result["meta28"].append({"tp": tp, "pp": pp, "stage": st, "params": [[n, p.numel()] for n, p in model.named_parameters()]})
+                result["meta28"].append(
+                    {"tp": tp, "pp": pp, "stage": st, "params": [[n, p.numel()] for n, p in model.named_parameters()]}
+                )
     with open(f"{out}/{dist.get_rank()}.json", "w", encoding="utf-8") as f:
         json.dump(result, f)
 

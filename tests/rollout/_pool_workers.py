@@ -22,8 +22,12 @@ BUCKET = 4096
 
 def weights(seed: int) -> list[tuple[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    specs = [("model.embed_tokens.weight", (50, 8)), ("model.layers.0.mlp.up_proj.weight", (24, 8)),
-             ("model.norm.weight", (8,)), ("lm_head.weight", (50, 8))]
+    specs = [
+        ("model.embed_tokens.weight", (50, 8)),
+        ("model.layers.0.mlp.up_proj.weight", (24, 8)),
+        ("model.norm.weight", (8,)),
+        ("lm_head.weight", (50, 8)),
+    ]
     return [(name, torch.randn(shape, generator=gen)) for name, shape in specs]
 
 
@@ -38,7 +42,9 @@ def generate_bodies(tmp: Path, url: str) -> list[dict]:
 
 def completed_prompts(tmp: Path, urls: list[str]) -> list[tuple[int, ...]]:
     """Every prompt a fake answered (once per answer), over all servers."""
-    return [tuple(p) for url in urls for r in records(tmp, url) if r["path"] == "/fake/completed" for p in r["input_ids"]]
+    return [
+        tuple(p) for url in urls for r in records(tmp, url) if r["path"] == "/fake/completed" for p in r["input_ids"]
+    ]
 
 
 def tokens_sent(bodies: list[dict]) -> int:
@@ -69,11 +75,22 @@ def check_servers_on_every_node(tmp_dir: str) -> None:
     ctx = init_distributed(ParallelConfig(data_parallel=4))
     die_file = tmp / "die"
     cfg = SGLangConfig(
-        model_path="fake/qwen3-0.6b", placement="colocated", host="0.0.0.0", server_command=FAKE_COMMAND,
-        startup_timeout_s=60, retry_backoff_s=0.01, control_timeout_s=30, shutdown_grace_s=3,
-        supervise_interval_s=0.2, max_prompts_per_request=1, weight_bucket_bytes=BUCKET,
-        env={"FAKE_SGLANG_RECORD_DIR": str(tmp), "FAKE_SGLANG_DIE_FILE": str(die_file),
-             "FAKE_SGLANG_TOKEN_S": "0.1"},  # 1.2 s per request: all of a step in flight at once, as on GPUs
+        model_path="fake/qwen3-0.6b",
+        placement="colocated",
+        host="0.0.0.0",
+        server_command=FAKE_COMMAND,
+        startup_timeout_s=60,
+        retry_backoff_s=0.01,
+        control_timeout_s=30,
+        shutdown_grace_s=3,
+        supervise_interval_s=0.2,
+        max_prompts_per_request=1,
+        weight_bucket_bytes=BUCKET,
+        env={
+            "FAKE_SGLANG_RECORD_DIR": str(tmp),
+            "FAKE_SGLANG_DIE_FILE": str(die_file),
+            "FAKE_SGLANG_TOKEN_S": "0.1",
+        },  # 1.2 s per request: all of a step in flight at once, as on GPUs
     )
     job = start_job_servers(ctx, cfg, tmp / "run")
 
@@ -103,9 +120,13 @@ def check_servers_on_every_node(tmp_dir: str) -> None:
     report = None
     if rank == 0:
         urls = [e.url for e in endpoints]
-        engine = SGLangEngine(cfg, expected_weight_names=[n for n, _ in weights(0)],
-                              tensor_serializer=fake_sglang.serialize_tensors, endpoints=endpoints,
-                              api_key=job.api_key)
+        engine = SGLangEngine(
+            cfg,
+            expected_weight_names=[n for n, _ in weights(0)],
+            tensor_serializer=fake_sglang.serialize_tensors,
+            endpoints=endpoints,
+            api_key=job.api_key,
+        )
         engine.load_weights(weights(1), version=1)
 
         # ---- step 1: requests spread over all four servers within 10% of even by tokens. Every fourth
@@ -115,12 +136,15 @@ def check_servers_on_every_node(tmp_dir: str) -> None:
         params = SamplingParams(n=2, max_new_tokens=6)
         out = engine.generate(prompts, params)
         for prompt, group in zip(prompts, out):
-            assert [c.token_ids for c in group] == [fake_sglang.fake_sample(prompt, s, 6, set(), None)[0]
-                                                    for s in range(2)]
+            assert [c.token_ids for c in group] == [
+                fake_sglang.fake_sample(prompt, s, 6, set(), None)[0] for s in range(2)
+            ]
         sent = [tokens_sent(generate_bodies(tmp, url)) for url in urls]  # what each fake received
         assert sent == engine.routed_tokens
         mean = sum(sent) / 4
-        print(f"[pool test] tokens per server {sent}, max deviation from even {max(abs(t - mean) for t in sent) / mean:.1%}")
+        print(
+            f"[pool test] tokens per server {sent}, max deviation from even {max(abs(t - mean) for t in sent) / mean:.1%}"
+        )
         assert all(abs(t - mean) <= 0.1 * mean for t in sent), sent
 
         # ---- step 2: one server dies mid-step; the step completes on the others, nothing lost or doubled
@@ -129,15 +153,21 @@ def check_servers_on_every_node(tmp_dir: str) -> None:
         prompts2 = [[1000 + i, 5, 6] for i in range(40)]
         out2 = engine.generate(prompts2, params)
         for prompt, group in zip(prompts2, out2):
-            assert [c.token_ids for c in group] == [fake_sglang.fake_sample(prompt, s, 6, set(), None)[0]
-                                                    for s in range(2)]
+            assert [c.token_ids for c in group] == [
+                fake_sglang.fake_sample(prompt, s, 6, set(), None)[0] for s in range(2)
+            ]
         assert die_file.read_text() == "0"
         answered = [p for p in completed_prompts(tmp, urls) if p[0] >= 1000]
         assert sorted(answered) == sorted(tuple(p) for p in prompts2)  # each prompt answered exactly once
-        arrived = {url: [r for r in records(tmp, url)[before[url]:] if r["path"] == "/generate"] for url in urls}
-        killed = [url for url in urls if any("dying mid-request" in line
-                                             for line in Path(endpoints[urls.index(url)].log_path).read_text()
-                                             .splitlines())]
+        arrived = {url: [r for r in records(tmp, url)[before[url] :] if r["path"] == "/generate"] for url in urls}
+        killed = [
+            url
+            for url in urls
+            if any(
+                "dying mid-request" in line
+                for line in Path(endpoints[urls.index(url)].log_path).read_text().splitlines()
+            )
+        ]
         assert len(killed) == 1, killed
         assert all(len(arrived[url]) > 0 for url in urls)
 

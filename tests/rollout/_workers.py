@@ -29,19 +29,27 @@ def check_local_engine_matches_megatron(hf_dir: str, tp: int, pp: int) -> None:
     fill_from_hf(model, arch, HFCheckpoint(hf_dir))
     engine = LocalEngine(arch) if dist.get_rank() == 0 else None
     # Small buckets: several per rank, so the controller interleaves its own and the others'.
-    gather_to_controller(ctx, model, arch, lambda stream: engine.load_weights(stream, version=1), bucket_bytes=64 * 1024)
+    gather_to_controller(
+        ctx, model, arch, lambda stream: engine.load_weights(stream, version=1), bucket_bytes=64 * 1024
+    )
 
     batch = None
     if engine is not None:
         prompts = [[1, 5, 7, 9], [2, 3], [11, 12, 13, 14, 15, 16]]
-        groups = engine.generate(prompts, SamplingParams(n=4, max_new_tokens=12, stop_token_ids=(0,), seed=3, temperature=0.8))
+        groups = engine.generate(
+            prompts, SamplingParams(n=4, max_new_tokens=12, stop_token_ids=(0,), seed=3, temperature=0.8)
+        )
         flat = [(p, c) for p, g in zip(prompts, groups) for c in g]
         assert any(c.finish_reason == "stop" for _, c in flat) or all(len(c.token_ids) == 12 for _, c in flat)
         count = len(flat)
         batch = RolloutBatch(
-            prompt_ids=[p for p, _ in flat], response_ids=[c.token_ids for _, c in flat],
-            rollout_logprobs=[c.logprobs for _, c in flat], truncated=torch.zeros(count, dtype=torch.bool),
-            rewards=torch.zeros(count), correct=torch.zeros(count), advantages=torch.zeros(count),
+            prompt_ids=[p for p, _ in flat],
+            response_ids=[c.token_ids for _, c in flat],
+            rollout_logprobs=[c.logprobs for _, c in flat],
+            truncated=torch.zeros(count, dtype=torch.bool),
+            rewards=torch.zeros(count),
+            correct=torch.zeros(count),
+            advantages=torch.zeros(count),
             group_ids=torch.arange(count),
         )
     batch = broadcast_rollouts(ctx, batch)

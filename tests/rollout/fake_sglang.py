@@ -47,25 +47,72 @@ VOCAB = 50
 
 # GenerateReqInput fields a client may send to /generate.
 GENERATE_KEYS = {
-    "text", "input_ids", "input_embeds", "image_data", "audio_data", "video_data", "sampling_params", "rid",
-    "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs",
-    "stream", "log_metrics", "lora_path", "lora_id", "custom_logit_processor", "return_hidden_states",
-    "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank", "extra_key",
+    "text",
+    "input_ids",
+    "input_embeds",
+    "image_data",
+    "audio_data",
+    "video_data",
+    "sampling_params",
+    "rid",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "token_ids_logprob",
+    "return_text_in_logprobs",
+    "stream",
+    "log_metrics",
+    "lora_path",
+    "lora_id",
+    "custom_logit_processor",
+    "return_hidden_states",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "data_parallel_rank",
+    "extra_key",
 }
 # SamplingParams fields accepted by /generate (0.5.22+ answers 400 for any other key).
 SAMPLING_KEYS = {
-    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex",
-    "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-    "custom_params", "stream_interval", "logit_bias", "sampling_seed",
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "custom_params",
+    "stream_interval",
+    "logit_bias",
+    "sampling_seed",
 }
 WEIGHT_COMMON = {"flush_cache", "abort_all_requests", "weight_version", "load_format"}
 BODY_KEYS = {
     "/update_weights_from_tensor": {"serialized_named_tensors"} | WEIGHT_COMMON,
     "/update_weights_from_distributed": {"names", "dtypes", "shapes", "group_name"} | WEIGHT_COMMON,
     "/update_weights_from_disk": {"model_path"} | WEIGHT_COMMON,
-    "/init_weights_update_group": {"master_address", "master_port", "rank_offset", "world_size", "group_name",
-                                   "backend"},
+    "/init_weights_update_group": {
+        "master_address",
+        "master_port",
+        "rank_offset",
+        "world_size",
+        "group_name",
+        "backend",
+    },
     "/destroy_weights_update_group": {"group_name"},
     "/release_memory_occupation": {"tags"},
     "/resume_memory_occupation": {"tags"},
@@ -87,8 +134,9 @@ def parse_version(text: str) -> tuple[int, int, int]:
     return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts)  # type: ignore[return-value]
 
 
-def fake_sample(prompt: list[int], sample_index: int, max_new_tokens: int, stop_token_ids: set[int],
-                seed: int | None) -> tuple[list[int], list[float], dict]:
+def fake_sample(
+    prompt: list[int], sample_index: int, max_new_tokens: int, stop_token_ids: set[int], seed: int | None
+) -> tuple[list[int], list[float], dict]:
     """The tokens, log-probs and finish_reason the fake returns for one sample."""
     x = sum((i + 1) * t for i, t in enumerate(prompt)) * 1000003 + sample_index * 7919 + (seed or 0) * 104729
     x %= 2**31
@@ -133,9 +181,20 @@ class BadRequest(Exception):
 class FakeState:
     """Everything the fake remembers; tests read it directly (thread mode) or through /fake/state."""
 
-    def __init__(self, *, version: str, tp_size: int, api_key: str | None, admin_api_key: str | None,
-                 model_path: str, port: int, record_path: str | None = None, startup_s: float = 0.0,
-                 die_file: str | None = None, token_s: float = 0.0):
+    def __init__(
+        self,
+        *,
+        version: str,
+        tp_size: int,
+        api_key: str | None,
+        admin_api_key: str | None,
+        model_path: str,
+        port: int,
+        record_path: str | None = None,
+        startup_s: float = 0.0,
+        die_file: str | None = None,
+        token_s: float = 0.0,
+    ):
         self.version_text = version
         self.version = parse_version(version)
         self.tp_size = tp_size
@@ -180,7 +239,7 @@ class FakeState:
     def authorized(self, path: str, auth: str | None) -> bool:
         if path.startswith(OPEN_PREFIXES):
             return True
-        token = auth[len("Bearer "):] if auth and auth.startswith("Bearer ") else None
+        token = auth[len("Bearer ") :] if auth and auth.startswith("Bearer ") else None
         if path in ADMIN_ROUTES and self.admin_api_key:
             return token == self.admin_api_key
         if self.api_key:
@@ -199,17 +258,28 @@ class FakeState:
             return 200, b""
         if path in ("/server_info", "/get_server_info") and method == "GET":
             preferred = json.dumps(self.preferred_sampling_params) if self.preferred_sampling_params else None
-            return 200, {"version": self.version_text, "tp_size": self.tp_size, "dp_size": 1,
-                         "model_path": self.model_path, "port": self.port, "skip_tokenizer_init": True,
-                         "preferred_sampling_params": preferred}
+            return 200, {
+                "version": self.version_text,
+                "tp_size": self.tp_size,
+                "dp_size": 1,
+                "model_path": self.model_path,
+                "port": self.port,
+                "skip_tokenizer_init": True,
+                "preferred_sampling_params": preferred,
+            }
         if path in ("/model_info", "/get_model_info") and method == "GET":
             return 200, {"model_path": self.model_path, "is_generation": True, "weight_version": self.weight_version}
         if path == "/fake/state" and method == "GET":
             with self.lock:
-                return 200, {"weights": tensors_to_b64(dict(self.weights)), "updates": self.updates,
-                             "generate_calls": self.generate_calls, "weight_version": self.weight_version}
-        if method != "POST" and not (method == "GET" and path in ("/flush_cache", "/release_memory_occupation",
-                                                                   "/resume_memory_occupation")):
+                return 200, {
+                    "weights": tensors_to_b64(dict(self.weights)),
+                    "updates": self.updates,
+                    "generate_calls": self.generate_calls,
+                    "weight_version": self.weight_version,
+                }
+        if method != "POST" and not (
+            method == "GET" and path in ("/flush_cache", "/release_memory_occupation", "/resume_memory_occupation")
+        ):
             return 404, {"detail": "Not Found"}
         if path == "/generate":
             return self.generate(body)
@@ -217,8 +287,14 @@ class FakeState:
             with self.lock:
                 if self.flush_busy > 0:
                     self.flush_busy -= 1
-                    return 400, b"Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"
-            return 200, b"Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"
+                    return (
+                        400,
+                        b"Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n",
+                    )
+            return (
+                200,
+                b"Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n",
+            )
         if path in ("/begin_weight_update", "/end_weight_update") and not self.has_session_routes():
             return 404, {"detail": "Not Found"}
         if path not in BODY_KEYS:
@@ -243,9 +319,13 @@ class FakeState:
         ids = body["input_ids"]
         single = isinstance(ids, list) and bool(ids) and all(isinstance(t, int) for t in ids)
         prompts = [ids] if single else ids
-        if not isinstance(prompts, list) or not prompts or not all(
-            isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-            for p in prompts
+        if (
+            not isinstance(prompts, list)
+            or not prompts
+            or not all(
+                isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+                for p in prompts
+            )
         ):
             raise BadRequest("/generate: input_ids must be a non-empty list of ints or of lists of ints")
         sp = body.get("sampling_params") or {}
@@ -277,25 +357,30 @@ class FakeState:
         for prompt, p in zip(prompts, sps):
             for s in range(n):
                 tokens, logprobs, finish = fake_sample(
-                    prompt, s, int(p.get("max_new_tokens", 128)), set(p.get("stop_token_ids") or ()),
+                    prompt,
+                    s,
+                    int(p.get("max_new_tokens", 128)),
+                    set(p.get("stop_token_ids") or ()),
                     p.get("sampling_seed"),
                 )
                 if abort:
                     tokens, logprobs = tokens[:1], logprobs[:1]
                     finish = {"type": "abort", "message": "Abort before prefill", "status_code": 503}
-                items.append({
-                    "output_ids": tokens,
-                    "meta_info": {
-                        "id": uuid.uuid4().hex,
-                        "finish_reason": finish,
-                        "prompt_tokens": len(prompt),
-                        "completion_tokens": len(tokens),
-                        "cached_tokens": 0,
-                        "weight_version": self.weight_version,
-                        "e2e_latency": 0.001,
-                        "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, tokens)],
-                    },
-                })
+                items.append(
+                    {
+                        "output_ids": tokens,
+                        "meta_info": {
+                            "id": uuid.uuid4().hex,
+                            "finish_reason": finish,
+                            "prompt_tokens": len(prompt),
+                            "completion_tokens": len(tokens),
+                            "cached_tokens": 0,
+                            "weight_version": self.weight_version,
+                            "e2e_latency": 0.001,
+                            "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, tokens)],
+                        },
+                    }
+                )
         if self.token_s:
             time.sleep(self.token_s * sum(n * int(p.get("max_new_tokens", 128)) for p in sps))
         self.record_completion(prompts, n)
@@ -306,8 +391,12 @@ class FakeState:
         server that dies mid-request has an arrival without a completion)."""
         if self.record_path:
             with open(self.record_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"path": "/fake/completed", "input_ids": prompts, "n": n,
-                                    "weight_version": self.weight_version}) + "\n")
+                f.write(
+                    json.dumps(
+                        {"path": "/fake/completed", "input_ids": prompts, "n": n, "weight_version": self.weight_version}
+                    )
+                    + "\n"
+                )
 
     def _check_sampling(self, p: dict) -> None:
         unknown = set(p) - SAMPLING_KEYS
@@ -371,13 +460,15 @@ class FakeState:
         with self.lock:
             for name, tensor in named:
                 self.weights[name] = tensor
-            self.updates.append({
-                "path": path,
-                "names": [name for name, _ in named],
-                "nbytes": sum(t.numel() * t.element_size() for _, t in named),
-                "weight_version": body.get("weight_version"),
-                "session": self.session_open,
-            })
+            self.updates.append(
+                {
+                    "path": path,
+                    "names": [name for name, _ in named],
+                    "nbytes": sum(t.numel() * t.element_size() for _, t in named),
+                    "weight_version": body.get("weight_version"),
+                    "session": self.session_open,
+                }
+            )
             if body.get("weight_version") is not None:
                 self.weight_version = body["weight_version"]
 
@@ -410,8 +501,9 @@ class FakeState:
             rendezvous(f"tcp://{body['master_address']}:{body['master_port']}", rank, world, timeout=timeout)
         )
         store.set_timeout(timeout)
-        pg, _ = _new_process_group_helper(world, rank, [], body.get("backend", "nccl"), PrefixStore(name, store),
-                                          group_name=name, timeout=timeout)
+        pg, _ = _new_process_group_helper(
+            world, rank, [], body.get("backend", "nccl"), PrefixStore(name, store), group_name=name, timeout=timeout
+        )
         _world.pg_group_ranks[pg] = {i: i for i in range(world)}
         with self.lock:
             self.groups[name] = pg
@@ -460,8 +552,11 @@ class FakeState:
         path = Path(body["model_path"])
         index = path / "model.safetensors.index.json"
         if not index.is_file():
-            return 400, {"success": False, "message": f"{path} has no model.safetensors.index.json",
-                         "num_paused_requests": 0}
+            return 400, {
+                "success": False,
+                "message": f"{path} has no model.safetensors.index.json",
+                "num_paused_requests": 0,
+            }
         weight_map = json.loads(index.read_text())["weight_map"]
         named = []
         for fname in sorted(set(weight_map.values())):
@@ -510,8 +605,15 @@ class FakeState:
             raise BadRequest("new_version must be a string")
         with self.lock:
             self.weight_version = body["new_version"]
-            self.updates.append({"path": "/update_weight_version", "names": [], "nbytes": 0,
-                                 "weight_version": body["new_version"], "session": self.session_open})
+            self.updates.append(
+                {
+                    "path": "/update_weight_version",
+                    "names": [],
+                    "nbytes": 0,
+                    "weight_version": body["new_version"],
+                    "session": self.session_open,
+                }
+            )
         return 200, {"success": True, "message": f"Weight version updated to {body['new_version']}"}
 
 
@@ -531,8 +633,9 @@ def _handler_for(state: FakeState):
                 body = json.loads(raw) if raw else None
             except ValueError:
                 state.record(method, path, auth, raw.decode("utf-8", "replace"))
-                return self._send(400, {"object": "error", "message": "invalid JSON", "type": "Bad Request",
-                                        "code": 400})
+                return self._send(
+                    400, {"object": "error", "message": "invalid JSON", "type": "Bad Request", "code": 400}
+                )
             state.record(method, path, auth, body)
             if not state.authorized(path, auth):
                 return self._send(401, {"error": "Unauthorized"})
@@ -578,13 +681,27 @@ class _HTTPServer(ThreadingHTTPServer):
 class FakeSGLangServer:
     """The fake in a background thread of the test process."""
 
-    def __init__(self, *, port: int = 0, version: str = DEFAULT_VERSION, tp_size: int = 1,
-                 api_key: str | None = None, admin_api_key: str | None = None, model_path: str = "fake/model"):
+    def __init__(
+        self,
+        *,
+        port: int = 0,
+        version: str = DEFAULT_VERSION,
+        tp_size: int = 1,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
+        model_path: str = "fake/model",
+    ):
         self.httpd = _HTTPServer(("127.0.0.1", port), None)  # type: ignore[arg-type]
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
-        self.state = FakeState(version=version, tp_size=tp_size, api_key=api_key, admin_api_key=admin_api_key,
-                               model_path=model_path, port=self.port)
+        self.state = FakeState(
+            version=version,
+            tp_size=tp_size,
+            api_key=api_key,
+            admin_api_key=admin_api_key,
+            model_path=model_path,
+            port=self.port,
+        )
         self.httpd.RequestHandlerClass = _handler_for(self.state)
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
 
@@ -592,7 +709,7 @@ class FakeSGLangServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "FakeSGLangServer":
+    def start(self) -> FakeSGLangServer:
         self.thread.start()
         return self
 
@@ -643,10 +760,16 @@ def main(argv: list[str] | None = None) -> None:
     httpd = _HTTPServer((args.host, args.port), None)  # type: ignore[arg-type]
     httpd.daemon_threads = True
     state = FakeState(
-        version=os.environ.get("FAKE_SGLANG_VERSION", DEFAULT_VERSION), tp_size=args.tp_size,
-        api_key=args.api_key, admin_api_key=args.admin_api_key, model_path=args.model_path, port=args.port,
-        record_path=record_path, startup_s=float(os.environ.get("FAKE_SGLANG_STARTUP_S", "0")),
-        die_file=os.environ.get("FAKE_SGLANG_DIE_FILE"), token_s=float(os.environ.get("FAKE_SGLANG_TOKEN_S", "0")),
+        version=os.environ.get("FAKE_SGLANG_VERSION", DEFAULT_VERSION),
+        tp_size=args.tp_size,
+        api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
+        model_path=args.model_path,
+        port=args.port,
+        record_path=record_path,
+        startup_s=float(os.environ.get("FAKE_SGLANG_STARTUP_S", "0")),
+        die_file=os.environ.get("FAKE_SGLANG_DIE_FILE"),
+        token_s=float(os.environ.get("FAKE_SGLANG_TOKEN_S", "0")),
     )
     httpd.RequestHandlerClass = _handler_for(state)
     print(f"fake sglang {state.version_text} serving {args.model_path} on {args.host}:{args.port}", flush=True)

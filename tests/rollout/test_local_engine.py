@@ -57,7 +57,9 @@ def test_top_k_one_is_greedy_and_stop_tokens_end_responses(engine, hf_model):
         ids.append(token)
     # Stopping on the second greedy token: the response ends at its first occurrence, reason "stop".
     stop = greedy[1]
-    stopped = engine.generate([[3, 4, 5]], SamplingParams(n=2, top_k=1, max_new_tokens=5, stop_token_ids=(stop,), seed=2))
+    stopped = engine.generate(
+        [[3, 4, 5]], SamplingParams(n=2, top_k=1, max_new_tokens=5, stop_token_ids=(stop,), seed=2)
+    )
     for completion in stopped[0]:
         assert completion.token_ids == greedy[: greedy.index(stop) + 1] and completion.finish_reason == "stop"
 

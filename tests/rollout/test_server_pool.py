@@ -67,8 +67,15 @@ def test_contract_an_unnoticed_restart_is_caught_by_its_weight_version():
     the next weight update."""
     fresh, restarted = (fake_sglang.FakeSGLangServer(api_key=KEY).start() for _ in range(2))
     names = [name for name, _ in _pool_workers.weights(0)]
-    cfg = SGLangConfig(urls=[fresh.url, restarted.url], api_key=KEY, placement="colocated", weight_sync="tensor",
-                       weight_bucket_bytes=_pool_workers.BUCKET, retry_backoff_s=0.0, max_prompts_per_request=1)
+    cfg = SGLangConfig(
+        urls=[fresh.url, restarted.url],
+        api_key=KEY,
+        placement="colocated",
+        weight_sync="tensor",
+        weight_bucket_bytes=_pool_workers.BUCKET,
+        retry_backoff_s=0.0,
+        max_prompts_per_request=1,
+    )
     try:
         with SGLangEngine(cfg, expected_weight_names=names, tensor_serializer=fake_sglang.serialize_tensors) as engine:
             engine.load_weights(_pool_workers.weights(1), version=1)

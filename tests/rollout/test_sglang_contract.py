@@ -55,16 +55,30 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def attach_config(*urls: str, **overrides) -> SGLangConfig:
-    fields = dict(urls=list(urls), api_key=KEY, retry_backoff_s=0.01, startup_timeout_s=10, control_timeout_s=20,
-                  flush_timeout_s=5, shutdown_grace_s=2)
+    fields = dict(
+        urls=list(urls),
+        api_key=KEY,
+        retry_backoff_s=0.01,
+        startup_timeout_s=10,
+        control_timeout_s=20,
+        flush_timeout_s=5,
+        shutdown_grace_s=2,
+    )
     fields.update(overrides)
     return SGLangConfig(**fields)
 
 
 def launch_config(tmp_path: Path, env: dict | None = None, **overrides) -> SGLangConfig:
-    fields = dict(model_path="fake/qwen3-0.6b", server_command=FAKE_COMMAND, log_dir=str(tmp_path / "logs"),
-                  startup_timeout_s=30, retry_backoff_s=0.05, control_timeout_s=30, shutdown_grace_s=3,
-                  env={"FAKE_SGLANG_RECORD_DIR": str(tmp_path), **(env or {})})
+    fields = dict(
+        model_path="fake/qwen3-0.6b",
+        server_command=FAKE_COMMAND,
+        log_dir=str(tmp_path / "logs"),
+        startup_timeout_s=30,
+        retry_backoff_s=0.05,
+        control_timeout_s=30,
+        shutdown_grace_s=3,
+        env={"FAKE_SGLANG_RECORD_DIR": str(tmp_path), **(env or {})},
+    )
     fields.update(overrides)
     return SGLangConfig(**fields)
 
@@ -164,23 +178,42 @@ def pid_alive(pid: int) -> bool:
 
 def test_launch_command_for_given_settings():
     cfg = SGLangConfig(
-        model_path="/models/Qwen3-8B", tp_size=2, num_servers=2, base_gpu_id=4, host="0.0.0.0",
-        mem_fraction_static=0.55, dtype="bfloat16", context_length=8192, random_seed=7,
-        deterministic_inference=True, load_format="dummy", extra_args=["--skip-server-warmup"],
+        model_path="/models/Qwen3-8B",
+        tp_size=2,
+        num_servers=2,
+        base_gpu_id=4,
+        host="0.0.0.0",
+        mem_fraction_static=0.55,
+        dtype="bfloat16",
+        context_length=8192,
+        random_seed=7,
+        deterministic_inference=True,
+        load_format="dummy",
+        extra_args=["--skip-server-warmup"],
         env={"NCCL_DEBUG": "WARN"},
     )
-    argv, env = build_launch_command(cfg, local_index=1, global_index=5, port=31001, nccl_port=32001,
-                                     api_key="s3cret")
+    argv, env = build_launch_command(cfg, local_index=1, global_index=5, port=31001, nccl_port=32001, api_key="s3cret")
     assert argv[:4] == [sys.executable, "-m", "stapo_megatron.rollout.sglang_launch", "sglang.launch_server"]
     assert argv[-1] == "--skip-server-warmup"
     flags = argv[4:]
-    values = {flags[i]: flags[i + 1] for i in range(len(flags) - 1)
-              if flags[i].startswith("--") and "=" not in flags[i] and not flags[i + 1].startswith("--")}
+    values = {
+        flags[i]: flags[i + 1]
+        for i in range(len(flags) - 1)
+        if flags[i].startswith("--") and "=" not in flags[i] and not flags[i + 1].startswith("--")
+    }
     values.update(f.split("=", 1) for f in flags if f.startswith("--") and "=" in f)
     assert values == {
-        "--model-path": "/models/Qwen3-8B", "--host": "0.0.0.0", "--port": "31001", "--tp-size": "2",
-        "--base-gpu-id": "6", "--mem-fraction-static": "0.55", "--random-seed": "12", "--dtype": "bfloat16",
-        "--nccl-port": "32001", "--context-length": "8192", "--load-format": "dummy",
+        "--model-path": "/models/Qwen3-8B",
+        "--host": "0.0.0.0",
+        "--port": "31001",
+        "--tp-size": "2",
+        "--base-gpu-id": "6",
+        "--mem-fraction-static": "0.55",
+        "--random-seed": "12",
+        "--dtype": "bfloat16",
+        "--nccl-port": "32001",
+        "--context-length": "8192",
+        "--load-format": "dummy",
     }
     for switch in ("--skip-tokenizer-init", "--enable-deterministic-inference"):
         assert switch in flags
@@ -225,7 +258,9 @@ def test_config_validation():
 
 
 def test_startup_failure_names_the_log(tmp_path):
-    cfg = launch_config(tmp_path, server_command=[sys.executable, "-c", "import sys; print('no GPU here'); sys.exit(7)"])
+    cfg = launch_config(
+        tmp_path, server_command=[sys.executable, "-c", "import sys; print('no GPU here'); sys.exit(7)"]
+    )
     with pytest.raises(SGLangServerError, match=r"exited with status 7") as info:
         SGLangEngine(cfg)
     assert str(tmp_path / "logs" / "server-0.log") in str(info.value)
@@ -239,15 +274,28 @@ def test_fake_enforces_documented_validation():
     new = FakeSGLangServer(version="0.5.22", api_key=KEY).start()
     old = FakeSGLangServer(version="0.5.20", api_key=KEY).start()
     try:
-        body = {"input_ids": [[1, 2]], "sampling_params": {"max_new_tokens": 2, "seed": 1},
-                "return_logprob": True, "logprob_start_len": -1}
+        body = {
+            "input_ids": [[1, 2]],
+            "sampling_params": {"max_new_tokens": 2, "seed": 1},
+            "return_logprob": True,
+            "logprob_start_len": -1,
+        }
         assert request(new.url, "POST", "/generate", body, api_key=KEY, timeout=5).status == 400
         assert request(old.url, "POST", "/generate", body, api_key=KEY, timeout=5).status == 200
         assert request(new.url, "POST", "/generate", body, api_key=None, timeout=5).status == 401
         assert request(new.url, "GET", "/health", api_key=None, timeout=5).status == 200
         assert request(old.url, "POST", "/begin_weight_update", {}, api_key=KEY, timeout=5).status == 404
-        assert request(new.url, "POST", "/update_weights_from_tensor",
-                       {"serialized_named_tensors": [serialize_tensors([])]}, api_key=KEY, timeout=5).status == 400
+        assert (
+            request(
+                new.url,
+                "POST",
+                "/update_weights_from_tensor",
+                {"serialized_named_tensors": [serialize_tensors([])]},
+                api_key=KEY,
+                timeout=5,
+            ).status
+            == 400
+        )
         assert request(new.url, "POST", "/pause_generation", {"mode": "later"}, api_key=KEY, timeout=5).status == 400
     finally:
         new.stop()
@@ -277,9 +325,18 @@ def test_generate_request_shape_and_response_parsing(fake):
     for call in calls:
         assert call["body"]["return_logprob"] is True and call["body"]["logprob_start_len"] == -1
         assert call["body"]["sampling_params"] == {
-            "n": 3, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_new_tokens": 6, "stop_token_ids": [3, 17, 29],
-            "min_p": 0.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-            "min_new_tokens": 0, "ignore_eos": False,
+            "n": 3,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": -1,
+            "max_new_tokens": 6,
+            "stop_token_ids": [3, 17, 29],
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "frequency_penalty": 0.0,
+            "presence_penalty": 0.0,
+            "min_new_tokens": 0,
+            "ignore_eos": False,
         }
     assert fake.state.requests and all(r["auth"] == f"Bearer {KEY}" for r in fake.state.requests)
 
@@ -288,8 +345,15 @@ def test_server_preferred_sampling_cannot_bend_the_sampler(fake):
     # A server launched with --preferred-sampling-params, as a model's generation_config.json might
     # suggest (min_p, repetition penalty): SGLang merges them under each request's own keys.
     fake.state.preferred_sampling_params = {
-        "min_p": 0.05, "repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": 0.3,
-        "min_new_tokens": 4, "ignore_eos": True, "stop_token_ids": [9], "top_k": 20, "skip_special_tokens": False,
+        "min_p": 0.05,
+        "repetition_penalty": 1.2,
+        "frequency_penalty": 0.5,
+        "presence_penalty": 0.3,
+        "min_new_tokens": 4,
+        "ignore_eos": True,
+        "stop_token_ids": [9],
+        "top_k": 20,
+        "skip_special_tokens": False,
     }
     params = SamplingParams(n=2, temperature=0.9, top_p=0.95, top_k=0, max_new_tokens=4)
     with SGLangEngine(attach_config(fake.url)) as engine:
@@ -298,9 +362,20 @@ def test_server_preferred_sampling_cannot_bend_the_sampler(fake):
     assert len(group) == 2 and len(seeded[0]) == 2
     assert len(fake.state.sampled_with) == 4  # every sample, unseeded and seeded
     for effective in fake.state.sampled_with:
-        assert {k: v for k, v in effective.items() if k not in ("n", "temperature", "top_p", "max_new_tokens", "sampling_seed")} == {
-            "min_p": 0.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-            "min_new_tokens": 0, "ignore_eos": False, "stop_token_ids": [], "top_k": -1, "skip_special_tokens": False,
+        assert {
+            k: v
+            for k, v in effective.items()
+            if k not in ("n", "temperature", "top_p", "max_new_tokens", "sampling_seed")
+        } == {
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "frequency_penalty": 0.0,
+            "presence_penalty": 0.0,
+            "min_new_tokens": 0,
+            "ignore_eos": False,
+            "stop_token_ids": [],
+            "top_k": -1,
+            "skip_special_tokens": False,
         }
     assert [(e["temperature"], e["top_p"]) for e in fake.state.sampled_with[:2]] == [(0.9, 0.95)] * 2
 
@@ -309,14 +384,22 @@ def test_server_preferred_sampling_cannot_bend_the_sampler(fake):
 def test_a_server_preferring_an_unpinned_sampling_parameter_is_refused(fake, preferred):
     fake.state.preferred_sampling_params = preferred
     unpinned = sorted(set(preferred) - {"min_p"})
-    with pytest.raises(SGLangServerError, match=rf"{fake.url} \(attached\) sets preferred_sampling_params {unpinned!r}".replace("[", r"\[")):
+    with pytest.raises(
+        SGLangServerError,
+        match=rf"{fake.url} \(attached\) sets preferred_sampling_params {unpinned!r}".replace("[", r"\["),
+    ):
         SGLangEngine(attach_config(fake.url))
 
 
 def test_single_prompt_dict_response_is_parsed():
     tokens, logprobs, finish = fake_sample([1, 2], 0, 4, set(), None)
-    item = {"output_ids": tokens, "meta_info": {"finish_reason": finish, "output_token_logprobs":
-                                                [[lp, t, None] for lp, t in zip(logprobs, tokens)]}}
+    item = {
+        "output_ids": tokens,
+        "meta_info": {
+            "finish_reason": finish,
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, tokens)],
+        },
+    }
     [[completion]] = _parse_generate(item, 1, 1, "http://x")
     assert completion.token_ids == tokens and completion.finish_reason == "length"
 
@@ -357,7 +440,9 @@ def test_tensor_update_buckets_every_tensor_once_in_order(fake):
     sent = weights_stream(1)
     fake.state.flush_busy = 2  # the first flushes see requests still running
     try:
-        cfg = attach_config(fake.url, other.url, placement="colocated", weight_sync="tensor", weight_bucket_bytes=BUCKET)
+        cfg = attach_config(
+            fake.url, other.url, placement="colocated", weight_sync="tensor", weight_bucket_bytes=BUCKET
+        )
         with SGLangEngine(cfg, expected_weight_names=NAMES, tensor_serializer=serialize_tensors) as engine:
             engine.load_weights((pair for pair in sent), version=3)  # a one-pass generator
             engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
@@ -372,9 +457,13 @@ def test_tensor_update_buckets_every_tensor_once_in_order(fake):
             assert_bit_equal(server.state.weights, sent)
             paths = control_paths(server)
             flushes = 4 if server is fake else 2
-            assert paths == (["/pause_generation"] + ["/flush_cache"] * (flushes - 1) + ["/begin_weight_update"]
-                             + ["/update_weights_from_tensor"] * len(updates)
-                             + ["/end_weight_update", "/update_weight_version", "/flush_cache", "/continue_generation"])
+            assert paths == (
+                ["/pause_generation"]
+                + ["/flush_cache"] * (flushes - 1)
+                + ["/begin_weight_update"]
+                + ["/update_weights_from_tensor"] * len(updates)
+                + ["/end_weight_update", "/update_weight_version", "/flush_cache", "/continue_generation"]
+            )
             pause = next(r for r in server.state.requests if r["path"] == "/pause_generation")
             assert pause["body"] == {"mode": "abort"}
             assert not server.state.session_open and not server.state.paused
@@ -403,8 +492,11 @@ def test_weight_names_are_checked_before_any_request(fake):
     with SGLangEngine(cfg, expected_weight_names=NAMES, tensor_serializer=serialize_tensors) as engine:
         before = len(fake.state.requests)
         typo = [("model.layers.0.self_attn.q_projj.weight" if n.endswith("q_proj.weight") else n, t) for n, t in good]
-        with pytest.raises(SGLangWeightSyncError, match=r"^load_weights: the stream lacks 1 of 12 tensors: "
-                           r"model.layers.0.self_attn.q_proj.weight; got 1 unexpected tensors .*: .*q_projj.weight$"):
+        with pytest.raises(
+            SGLangWeightSyncError,
+            match=r"^load_weights: the stream lacks 1 of 12 tensors: "
+            r"model.layers.0.self_attn.q_proj.weight; got 1 unexpected tensors .*: .*q_projj.weight$",
+        ):
             engine.load_weights(typo)
         with pytest.raises(SGLangWeightSyncError, match=r"lacks 1 of 12 tensors: lm_head.weight$"):
             engine.load_weights(good[:-1])
@@ -415,8 +507,11 @@ def test_weight_names_are_checked_before_any_request(fake):
 
         # A one-pass stream can only be found short at its end, after buckets went out: the version is
         # not stamped, generation stays paused on the server and is refused here until a complete update lands.
-        with pytest.raises(SGLangWeightSyncError, match=rf"^weight sync to {fake.url} lacks 1 of 12 tensors: "
-                           r"lm_head.weight \(generation stays paused until a weight sync succeeds\)$"):
+        with pytest.raises(
+            SGLangWeightSyncError,
+            match=rf"^weight sync to {fake.url} lacks 1 of 12 tensors: "
+            r"lm_head.weight \(generation stays paused until a weight sync succeeds\)$",
+        ):
             engine.load_weights(iter(good[:-1]))
         assert fake.state.updates and not fake.state.session_open and fake.state.paused
         assert fake.state.weight_version == "default"
@@ -445,15 +540,23 @@ def test_attached_servers_without_api_key_refuse_weight_updates(monkeypatch):
 
 
 def test_distributed_update_broadcasts_over_a_real_gloo_group(tmp_path):
-    cfg = launch_config(tmp_path, num_servers=2, weight_sync="distributed", weight_sync_backend="gloo",
-                        weight_sync_master_address="127.0.0.1", weight_bucket_bytes=BUCKET, weight_sync_timeout_s=30)
+    cfg = launch_config(
+        tmp_path,
+        num_servers=2,
+        weight_sync="distributed",
+        weight_sync_backend="gloo",
+        weight_sync_master_address="127.0.0.1",
+        weight_bucket_bytes=BUCKET,
+        weight_sync_timeout_s=30,
+    )
     with SGLangEngine(cfg, expected_weight_names=NAMES) as engine:
         first, second = weights_stream(4), weights_stream(5)
         engine.load_weights(first, version=1)
         engine.load_weights(iter(second), version=2)
         out = engine.generate([[1, 2, 3], [4, 5, 6]], SamplingParams(max_new_tokens=3))
-        assert [c.token_ids for g in out for c in g] == [fake_sample(p, 0, 3, set(), None)[0]
-                                                          for p in ([1, 2, 3], [4, 5, 6])]
+        assert [c.token_ids for g in out for c in g] == [
+            fake_sample(p, 0, 3, set(), None)[0] for p in ([1, 2, 3], [4, 5, 6])
+        ]
         for url in engine.urls:
             state = fake_state(url)
             assert_bit_equal(state["weights"], second)
@@ -495,8 +598,9 @@ def test_disk_update_writes_a_checkpoint_the_server_loads(fake, tmp_path):
 def test_server_death_restart_and_retry(tmp_path):
     die = tmp_path / "die"
     die.write_text("1")
-    cfg = launch_config(tmp_path, env={"FAKE_SGLANG_DIE_FILE": str(die), "FAKE_SGLANG_SPAWN_CHILD": "1"},
-                        max_prompts_per_request=1)
+    cfg = launch_config(
+        tmp_path, env={"FAKE_SGLANG_DIE_FILE": str(die), "FAKE_SGLANG_SPAWN_CHILD": "1"}, max_prompts_per_request=1
+    )
     engine = SGLangEngine(cfg)
     try:
         url = engine.urls[0]
@@ -536,8 +640,13 @@ def test_second_death_is_a_clear_error(tmp_path):
 def test_restarted_server_is_kept_out_until_weights_are_resent(tmp_path):
     die = tmp_path / "die"
     die.write_text("0")
-    cfg = launch_config(tmp_path, env={"FAKE_SGLANG_DIE_FILE": str(die)}, placement="colocated", weight_sync="tensor",
-                        weight_bucket_bytes=BUCKET)
+    cfg = launch_config(
+        tmp_path,
+        env={"FAKE_SGLANG_DIE_FILE": str(die)},
+        placement="colocated",
+        weight_sync="tensor",
+        weight_bucket_bytes=BUCKET,
+    )
     with SGLangEngine(cfg, expected_weight_names=NAMES, tensor_serializer=serialize_tensors) as engine:
         engine.load_weights(weights_stream(8), version=1)
         die.write_text("1")
@@ -553,9 +662,15 @@ def test_restarted_server_gets_a_new_weight_update_group(tmp_path):
     """A restarted server left its group: the next update (load_weights, and the trainer ranks' plan) builds new ones."""
     die = tmp_path / "die"
     die.write_text("0")
-    cfg = launch_config(tmp_path, env={"FAKE_SGLANG_DIE_FILE": str(die)}, weight_sync="distributed",
-                        weight_sync_backend="gloo", weight_sync_master_address="127.0.0.1", weight_bucket_bytes=BUCKET,
-                        weight_sync_timeout_s=30)
+    cfg = launch_config(
+        tmp_path,
+        env={"FAKE_SGLANG_DIE_FILE": str(die)},
+        weight_sync="distributed",
+        weight_sync_backend="gloo",
+        weight_sync_master_address="127.0.0.1",
+        weight_bucket_bytes=BUCKET,
+        weight_sync_timeout_s=30,
+    )
     with SGLangEngine(cfg, expected_weight_names=NAMES) as engine:
         engine.load_weights(weights_stream(1), version=1)
         before = engine.weight_sync_plan()
@@ -626,8 +741,10 @@ def test_release_and_resume_memory(fake):
         with pytest.raises(SGLangWeightSyncError, match=r"garbage after resume; call load_weights"):
             engine.generate([[1]], SamplingParams(max_new_tokens=1))
     memory = [(r["path"], r["body"]) for r in fake.state.requests if "memory" in r["path"]]
-    assert memory[:3] == [("/release_memory_occupation", {"tags": None}),
-                          ("/resume_memory_occupation", {"tags": ["weights"]}),
-                          ("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})]
+    assert memory[:3] == [
+        ("/release_memory_occupation", {"tags": None}),
+        ("/resume_memory_occupation", {"tags": ["weights"]}),
+        ("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}),
+    ]
     paths = [r["path"] for r in fake.state.requests]
     assert paths[paths.index("/release_memory_occupation") - 1] == "/flush_cache"

@@ -53,8 +53,13 @@ def group_members(pgid: int) -> list[int]:
 
 def test_contract_launched_command_lines_hold_no_key_and_servers_require_it(tmp_path):
     cfg = SGLangConfig(
-        model_path="fake/qwen3-0.6b", server_command=[*LAUNCH, FAKE_SCRIPT], log_dir=str(tmp_path / "logs"),
-        num_servers=2, api_key=KEY, startup_timeout_s=30, shutdown_grace_s=3,
+        model_path="fake/qwen3-0.6b",
+        server_command=[*LAUNCH, FAKE_SCRIPT],
+        log_dir=str(tmp_path / "logs"),
+        num_servers=2,
+        api_key=KEY,
+        startup_timeout_s=30,
+        shutdown_grace_s=3,
         env={"FAKE_SGLANG_RECORD_DIR": str(tmp_path), "FAKE_SGLANG_SPAWN_CHILD": "1"},
     )
     with SGLangEngine(cfg) as engine:
@@ -73,8 +78,12 @@ def test_contract_launched_command_lines_hold_no_key_and_servers_require_it(tmp_
         assert not any(item.startswith(KEY_ENV.encode() + b"=") for item in child_env)
 
         # The server got the key: without it, or with another, it refuses; the engine's requests pass.
-        body = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 3}, "return_logprob": True,
-                "logprob_start_len": -1}
+        body = {
+            "input_ids": [3, 4],
+            "sampling_params": {"max_new_tokens": 3},
+            "return_logprob": True,
+            "logprob_start_len": -1,
+        }
         for url in engine.urls:
             assert request(url, "POST", "/generate", body, api_key=None, timeout=10).status == 401
             assert request(url, "POST", "/generate", body, api_key="wrong", timeout=10).status == 401
@@ -133,5 +142,7 @@ def test_config_refuses_key_flags(field, flag):
     with pytest.raises(ConfigError) as info:
         SGLangConfig(model_path="m", **{field: ["x", flag, "s"]})
     name = flag.split("=")[0]
-    assert str(info.value) == (f"{field}: {name} would put the API key on a command line, readable by every local "
-                               "user; set api_key or api_key_env instead")
+    assert str(info.value) == (
+        f"{field}: {name} would put the API key on a command line, readable by every local "
+        "user; set api_key or api_key_env instead"
+    )

@@ -35,11 +35,13 @@ def _requests(url: str) -> list[str]:
     return [r["path"] for r in request(url, "GET", "/fake/state", api_key=None, timeout=30).json()["updates"]]
 
 
-def check_sync(endpoints: list[ServerEndpoint], reference: dict, version: str, before: dict[str, int], path: str) -> None:
+def check_sync(
+    endpoints: list[ServerEndpoint], reference: dict, version: str, before: dict[str, int], path: str
+) -> None:
     """Every server: every tensor once (through ``path``) since ``before``, bit-exact, at ``version``."""
     for server in endpoints:
         state = _state(server.url)
-        updates = state["updates"][before[server.url]:]
+        updates = state["updates"][before[server.url] :]
         names = [n for u in updates if u["path"] == path for n in u["names"]]
         assert sorted(names) == sorted(reference), f"{server.url}: {len(names)} names for {len(reference)} tensors"
         # The version is stamped once, after every part arrived (disk: with the complete checkpoint).
@@ -52,8 +54,9 @@ def check_sync(endpoints: list[ServerEndpoint], reference: dict, version: str, b
             assert torch.equal(state["weights"][name], tensor), f"{server.url}: {name} differs"
 
 
-def sync_on_every_rank(hf_dir: str, layouts: list[tuple[int, int, int, int, tuple[int, ...]]], servers: list[dict],
-                       disk_dir: str) -> None:
+def sync_on_every_rank(
+    hf_dir: str, layouts: list[tuple[int, int, int, int, tuple[int, ...]]], servers: list[dict], disk_dir: str
+) -> None:
     """For each (tp, pp, dp, ranks per node, node of each server): tensor, disk and distributed syncs, then
     two failures."""
     import torch.distributed as dist
@@ -77,12 +80,24 @@ def sync_on_every_rank(hf_dir: str, layouts: list[tuple[int, int, int, int, tupl
         arch = Qwen3Config.from_hf(hf_dir)
         model = build_stage(arch, perform_initialization=False)
         fill_from_hf(model, arch, HFCheckpoint(hf_dir))
-        for mode, path in (("tensor", "/update_weights_from_tensor"), ("disk", "/update_weights_from_disk"),
-                           ("distributed", "/update_weights_from_distributed")):
+        for mode, path in (
+            ("tensor", "/update_weights_from_tensor"),
+            ("disk", "/update_weights_from_disk"),
+            ("distributed", "/update_weights_from_distributed"),
+        ):
             version += 1
-            plan = WeightSyncPlan(mode=mode, endpoints=endpoints, expected_names=expected, api_key=API_KEY,
-                                  session_servers=frozenset(s.index for s in endpoints), bucket_bytes=96 * 1024,
-                                  group_backend="gloo", master_address="127.0.0.1", disk_dir=disk_dir, config_from=hf_dir)
+            plan = WeightSyncPlan(
+                mode=mode,
+                endpoints=endpoints,
+                expected_names=expected,
+                api_key=API_KEY,
+                session_servers=frozenset(s.index for s in endpoints),
+                bucket_bytes=96 * 1024,
+                group_backend="gloo",
+                master_address="127.0.0.1",
+                disk_dir=disk_dir,
+                config_from=hf_dir,
+            )
             before = {s.url: len(_requests(s.url)) for s in endpoints} if ctx.rank == 0 else {}
             sync = WeightSync(ctx, plan, ranks_per_node=per_node, serializer=serialize_tensors)
             sync.sync(model, arch, version)
@@ -93,14 +108,21 @@ def sync_on_every_rank(hf_dir: str, layouts: list[tuple[int, int, int, int, tupl
             dist.barrier(group=ctx.cpu_group)
 
         # A tensor the servers expect but no rank holds: refused before anything is sent or paused.
-        plan = WeightSyncPlan(mode="tensor", endpoints=endpoints, expected_names=expected | {"model.layers.9.mlp.up_proj.weight"},
-                              api_key=API_KEY, session_servers=frozenset(s.index for s in endpoints))
+        plan = WeightSyncPlan(
+            mode="tensor",
+            endpoints=endpoints,
+            expected_names=expected | {"model.layers.9.mlp.up_proj.weight"},
+            api_key=API_KEY,
+            session_servers=frozenset(s.index for s in endpoints),
+        )
         before = {s.url: len(_requests(s.url)) for s in endpoints}
         sync = WeightSync(ctx, plan, ranks_per_node=per_node, serializer=serialize_tensors)
         with pytest.raises(SGLangWeightSyncError) as failure:
             sync.sync(model, arch, 99)
         message = str(failure.value)
-        assert "\n" not in message and "lacks 1 of" in message and "model.layers.9.mlp.up_proj.weight" in message, message
+        assert "\n" not in message and "lacks 1 of" in message and "model.layers.9.mlp.up_proj.weight" in message, (
+            message
+        )
         dist.barrier(group=ctx.cpu_group)
         if ctx.rank == 0:
             for server in endpoints:
@@ -112,8 +134,13 @@ def sync_on_every_rank(hf_dir: str, layouts: list[tuple[int, int, int, int, tupl
         # A server that refuses the buckets (it runs TP 1, the plan says 2): the same one-line error on
         # every rank, and generation stays paused, so nothing is served on a mix of weights.
         wrong = tuple(dataclass_replace(s, tp_size=2) if s.index == 0 else s for s in endpoints)
-        plan = WeightSyncPlan(mode="tensor", endpoints=wrong, expected_names=expected, api_key=API_KEY,
-                              session_servers=frozenset(s.index for s in endpoints))
+        plan = WeightSyncPlan(
+            mode="tensor",
+            endpoints=wrong,
+            expected_names=expected,
+            api_key=API_KEY,
+            session_servers=frozenset(s.index for s in endpoints),
+        )
         sync = WeightSync(ctx, plan, ranks_per_node=per_node, serializer=serialize_tensors)
         with pytest.raises(SGLangWeightSyncError) as failure:
             sync.sync(model, arch, 100)
@@ -169,14 +196,15 @@ def test_contract_weight_sync_from_every_rank_lands_on_every_server_at_one_versi
 
 
 def test_tally_check_names_the_missing_and_the_duplicated_tensor_in_one_line():
-    servers = [ServerEndpoint(index=0, url="http://a:1", node=0, tp_size=1), ServerEndpoint(index=1, url="http://b:1", node=0, tp_size=1)]
+    servers = [
+        ServerEndpoint(index=0, url="http://a:1", node=0, tp_size=1),
+        ServerEndpoint(index=1, url="http://b:1", node=0, tp_size=1),
+    ]
     expected = frozenset({"x", "y", "z"})
     check_tallies(expected, [{0: ["x", "y"], 1: ["x"]}, {0: ["z"], 1: ["y", "z"]}], servers)
     with pytest.raises(SGLangWeightSyncError) as failure:
         check_tallies(expected, [{0: ["x", "y"], 1: ["x", "y"]}, {0: ["z"], 1: ["y"]}], servers)
-    assert str(failure.value) == (
-        "weight sync to http://b:1 lacks 1 of 3 tensors: z; got 1 tensors more than once: y"
-    )
+    assert str(failure.value) == ("weight sync to http://b:1 lacks 1 of 3 tensors: z; got 1 tensors more than once: y")
 
 
 def load_local_engine_from_every_rank(hf_dir: str, tp: int, dp: int) -> None:

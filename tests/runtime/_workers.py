@@ -56,7 +56,11 @@ def contexts_of_each_layout(out_dir: str) -> None:
     from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed, shutdown_distributed
 
     results = {}
-    for name, layout in {"tp2": {"tensor_parallel": 2}, "pp2": {"pipeline_parallel": 2}, "dp2": {"data_parallel": 2}}.items():
+    for name, layout in {
+        "tp2": {"tensor_parallel": 2},
+        "pp2": {"pipeline_parallel": 2},
+        "dp2": {"data_parallel": 2},
+    }.items():
         ctx = init_distributed(ParallelConfig(**layout, timeout_minutes=TIMEOUT_MINUTES))
         results[name] = _describe(ctx)
     # the context is a value: nothing may rebind a group under a running trainer
@@ -96,7 +100,11 @@ def _as_lists(batch) -> dict:
         field.name: (value.tolist() if isinstance(value, torch.Tensor) else value)
         for field in dataclasses.fields(batch)
         for value in [getattr(batch, field.name)]
-    } | {"dtypes": [str(t.dtype) for t in (batch.truncated, batch.rewards, batch.correct, batch.advantages, batch.group_ids)]}
+    } | {
+        "dtypes": [
+            str(t.dtype) for t in (batch.truncated, batch.rewards, batch.correct, batch.advantages, batch.group_ids)
+        ]
+    }
 
 
 def _rank_data(batch, rank: int, world: int):
@@ -128,8 +136,12 @@ def _expected_rollout_statistics(data) -> dict:
             entropy += float(s.entropy[mask].double().sum())
             mismatch += float(difference.sum())
             largest = max([largest, *difference.tolist()])
-    return {"policy/statistics_tokens": tokens, "policy/entropy": entropy / tokens,
-            "mismatch/logprob_abs_mean": mismatch / tokens, "mismatch/logprob_abs_max": largest}
+    return {
+        "policy/statistics_tokens": tokens,
+        "policy/entropy": entropy / tokens,
+        "mismatch/logprob_abs_mean": mismatch / tokens,
+        "mismatch/logprob_abs_max": largest,
+    }
 
 
 def _check_default_group_refuses_cpu(ctx, shared) -> dict:
@@ -153,11 +165,22 @@ def _check_batch_broadcast(ctx, shared) -> dict:
 
     sent = _rollouts()
     received = broadcast_rollouts(ctx, sent if ctx.rank == 0 else None)
-    empty = RolloutBatch([], [], [], torch.zeros(0, dtype=torch.bool), torch.zeros(0), torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.long))
+    empty = RolloutBatch(
+        [],
+        [],
+        [],
+        torch.zeros(0, dtype=torch.bool),
+        torch.zeros(0),
+        torch.zeros(0),
+        torch.zeros(0),
+        torch.zeros(0, dtype=torch.long),
+    )
     received_empty = broadcast_rollouts(ctx, empty if ctx.rank == 1 else None, src=1)
     return {
-        "sent": _as_lists(sent), "received": _as_lists(received),
-        "sent_empty": _as_lists(empty), "received_empty": _as_lists(received_empty),
+        "sent": _as_lists(sent),
+        "received": _as_lists(received),
+        "sent_empty": _as_lists(empty),
+        "received_empty": _as_lists(received_empty),
     }
 
 
@@ -165,17 +188,27 @@ def _check_rollout_statistics(ctx, shared) -> dict:
     from stapo_megatron.trainer.update import rollout_statistics
 
     microbatches, stats = shared["data"][ctx.dp_rank]
-    return {"got": rollout_statistics(ctx, stats, microbatches), "expected": _expected_rollout_statistics(shared["data"])}
+    return {
+        "got": rollout_statistics(ctx, stats, microbatches),
+        "expected": _expected_rollout_statistics(shared["data"]),
+    }
 
 
 def _check_loss_metrics(ctx, shared) -> dict:
     from stapo_megatron.loss import all_reduce_metrics
 
     def local(rank):
-        return {"kept_tokens": torch.tensor(10.0 + rank), "ratio_max": torch.tensor(1.5 - rank), "ratio_min": torch.tensor(0.5 + rank)}
+        return {
+            "kept_tokens": torch.tensor(10.0 + rank),
+            "ratio_max": torch.tensor(1.5 - rank),
+            "ratio_min": torch.tensor(0.5 + rank),
+        }
 
     reduced = all_reduce_metrics({k: v.to(ctx.device) for k, v in local(ctx.dp_rank).items()}, ctx.dp_group)
-    return {"got": {k: float(v) for k, v in reduced.items()}, "expected": {"kept_tokens": 21.0, "ratio_max": 1.5, "ratio_min": 0.5}}
+    return {
+        "got": {k: float(v) for k, v in reduced.items()},
+        "expected": {"kept_tokens": 21.0, "ratio_max": 1.5, "ratio_min": 0.5},
+    }
 
 
 def _check_minibatch_threshold(ctx, shared) -> dict:
@@ -222,10 +255,17 @@ def _check_inspector_gather(ctx, shared) -> dict:
         for mb, s in zip(rank_microbatches, rank_stats):
             selection = select_tokens(algo, s, threshold)
             silenced = (mb["response_mask"] > 0) & (selection.keep == 0) & selection.candidates.bool()
-            expected.extend(sorted(int(mb["sequence_index"][mb["segment_ids"][row, position]])
-                                   for row, position in silenced.nonzero().tolist()))
+            expected.extend(
+                sorted(
+                    int(mb["sequence_index"][mb["segment_ids"][row, position]])
+                    for row, position in silenced.nonzero().tolist()
+                )
+            )
     dist.barrier(group=ctx.cpu_group)  # rank 0 has written the file
-    owners = [sorted({int(i) for mb in rank_microbatches for i in mb["sequence_index"]}) for rank_microbatches, _ in shared["data"]]
+    owners = [
+        sorted({int(i) for mb in rank_microbatches for i in mb["sequence_index"]})
+        for rank_microbatches, _ in shared["data"]
+    ]
     return {"got": sorted(e["sequence"] for e in read_dumps(run_dir)), "expected": sorted(expected), "owners": owners}
 
 
@@ -273,7 +313,11 @@ def collectives_where_the_default_group_refuses_cpu(out_dir: str) -> None:
     algo = AlgoConfig()
     data = [_rank_data(batch, rank, 2) for rank in range(2)]
     shared = {
-        "out_dir": out_dir, "batch": batch, "algo": algo, "data": data, "pp_ctx": pp_ctx,
+        "out_dir": out_dir,
+        "batch": batch,
+        "algo": algo,
+        "data": data,
+        "pp_ctx": pp_ctx,
         "threshold": minibatch_threshold(algo, [s for _, stats in data for s in stats], None),
     }
     for name, check in CHECKS.items():

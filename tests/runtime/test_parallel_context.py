@@ -113,7 +113,13 @@ def test_collectives_where_the_default_group_refuses_cpu_batch_broadcast(refusin
     for got in _check(refusing, "batch_broadcast"):
         assert got["received"] == got["sent"]
         assert got["received"]["response_ids"][1] == [] and len(got["received"]["prompt_ids"]) == 6
-        assert got["received"]["dtypes"] == ["torch.bool", "torch.float32", "torch.float32", "torch.float32", "torch.int64"]
+        assert got["received"]["dtypes"] == [
+            "torch.bool",
+            "torch.float32",
+            "torch.float32",
+            "torch.float32",
+            "torch.int64",
+        ]
         assert got["received_empty"] == got["sent_empty"]
 
 

@@ -26,7 +26,18 @@ import time
 from pathlib import Path
 
 PACKAGES = ["slurm-wlm", "munge", "slurmdbd", "mariadb-server"]
-BINARIES = ["munged", "mariadbd", "mariadb-install-db", "mariadb", "slurmdbd", "slurmctld", "slurmd", "sbatch", "sacct", "sacctmgr"]
+BINARIES = [
+    "munged",
+    "mariadbd",
+    "mariadb-install-db",
+    "mariadb",
+    "slurmdbd",
+    "slurmctld",
+    "slurmd",
+    "sbatch",
+    "sacct",
+    "sacctmgr",
+]
 PARTITION = "debug"
 DB_PASSWORD = "stapo-test"
 REQUEUE_HOLD_S = 10
@@ -62,7 +73,9 @@ def install() -> None:
         subprocess.run(["apt-get", "update"], env=env, capture_output=True, check=False)
         done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         if done.returncode != 0:
-            raise ClusterError("apt-get install " + " ".join(PACKAGES) + " failed: " + done.stderr.strip().splitlines()[-1])
+            raise ClusterError(
+                "apt-get install " + " ".join(PACKAGES) + " failed: " + done.stderr.strip().splitlines()[-1]
+            )
     still = missing_binaries()
     if still:
         raise ClusterError("installed, but these are missing: " + ", ".join(still))
@@ -124,61 +137,69 @@ class Cluster:
         munge_socket = self.path("munge", "munge.socket")
         auth = f"AuthInfo=socket={munge_socket}"
         cluster = f"stapo{os.getpid()}"
-        self.conf.write_text("\n".join([
-            f"ClusterName={cluster}",
-            f"SlurmctldHost={self.host}(127.0.0.1)",
-            f"SlurmctldPort={ports['slurmctld']}",
-            f"SlurmdPort={ports['slurmd']}",
-            "SlurmUser=root",
-            "SlurmdUser=root",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            # cred_expire also holds a requeued job back (default 120 s); a test cluster's queue need not wait
-            f"{auth},cred_expire={REQUEUE_HOLD_S}",
-            # container-friendly: no cgroups, no CPU binding, no accounting samplers
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "JobAcctGatherType=jobacct_gather/none",
-            "MpiDefault=none",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core",
-            "ReturnToService=2",
-            f"StateSaveLocation={self.path('state')}",
-            f"SlurmdSpoolDir={self.path('spool')}",
-            f"SlurmctldPidFile={self.path('run', 'slurmctld.pid')}",
-            f"SlurmdPidFile={self.path('run', 'slurmd.pid')}",
-            f"SlurmctldLogFile={self.path('log', 'slurmctld.log')}",
-            f"SlurmdLogFile={self.path('log', 'slurmd.log')}",
-            "AccountingStorageType=accounting_storage/slurmdbd",
-            "AccountingStorageHost=localhost",
-            f"AccountingStoragePort={ports['slurmdbd']}",
-            # clients authenticate to slurmdbd through the munge socket named here, not AuthInfo's
-            f"AccountingStoragePass={munge_socket}",
-            "InactiveLimit=0",
-            "KillWait=5",
-            "MinJobAge=300",
-            "SchedulerType=sched/backfill",
-            f"NodeName={self.host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={int(mem_mb * 0.9)} State=UNKNOWN",
-            f"PartitionName={PARTITION} Nodes={self.host} Default=YES MaxTime=INFINITE State=UP",
-            "",
-        ]))
+        self.conf.write_text(
+            "\n".join(
+                [
+                    f"ClusterName={cluster}",
+                    f"SlurmctldHost={self.host}(127.0.0.1)",
+                    f"SlurmctldPort={ports['slurmctld']}",
+                    f"SlurmdPort={ports['slurmd']}",
+                    "SlurmUser=root",
+                    "SlurmdUser=root",
+                    "AuthType=auth/munge",
+                    "CredType=cred/munge",
+                    # cred_expire also holds a requeued job back (default 120 s); a test cluster's queue need not wait
+                    f"{auth},cred_expire={REQUEUE_HOLD_S}",
+                    # container-friendly: no cgroups, no CPU binding, no accounting samplers
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "JobAcctGatherType=jobacct_gather/none",
+                    "MpiDefault=none",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_Core",
+                    "ReturnToService=2",
+                    f"StateSaveLocation={self.path('state')}",
+                    f"SlurmdSpoolDir={self.path('spool')}",
+                    f"SlurmctldPidFile={self.path('run', 'slurmctld.pid')}",
+                    f"SlurmdPidFile={self.path('run', 'slurmd.pid')}",
+                    f"SlurmctldLogFile={self.path('log', 'slurmctld.log')}",
+                    f"SlurmdLogFile={self.path('log', 'slurmd.log')}",
+                    "AccountingStorageType=accounting_storage/slurmdbd",
+                    "AccountingStorageHost=localhost",
+                    f"AccountingStoragePort={ports['slurmdbd']}",
+                    # clients authenticate to slurmdbd through the munge socket named here, not AuthInfo's
+                    f"AccountingStoragePass={munge_socket}",
+                    "InactiveLimit=0",
+                    "KillWait=5",
+                    "MinJobAge=300",
+                    "SchedulerType=sched/backfill",
+                    f"NodeName={self.host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={int(mem_mb * 0.9)} State=UNKNOWN",
+                    f"PartitionName={PARTITION} Nodes={self.host} Default=YES MaxTime=INFINITE State=UP",
+                    "",
+                ]
+            )
+        )
         dbd = self.path("etc", "slurmdbd.conf")
-        dbd.write_text("\n".join([
-            "AuthType=auth/munge",
-            auth,
-            "DbdHost=localhost",
-            f"DbdPort={ports['slurmdbd']}",
-            "SlurmUser=root",
-            f"LogFile={self.path('log', 'slurmdbd.log')}",
-            f"PidFile={self.path('run', 'slurmdbd.pid')}",
-            "StorageType=accounting_storage/mysql",
-            "StorageHost=127.0.0.1",
-            f"StoragePort={ports['mysql']}",
-            "StorageUser=slurm",
-            f"StoragePass={DB_PASSWORD}",
-            f"StorageLoc=slurm_acct_db_{cluster}",
-            "",
-        ]))
+        dbd.write_text(
+            "\n".join(
+                [
+                    "AuthType=auth/munge",
+                    auth,
+                    "DbdHost=localhost",
+                    f"DbdPort={ports['slurmdbd']}",
+                    "SlurmUser=root",
+                    f"LogFile={self.path('log', 'slurmdbd.log')}",
+                    f"PidFile={self.path('run', 'slurmdbd.pid')}",
+                    "StorageType=accounting_storage/mysql",
+                    "StorageHost=127.0.0.1",
+                    f"StoragePort={ports['mysql']}",
+                    "StorageUser=slurm",
+                    f"StoragePass={DB_PASSWORD}",
+                    f"StorageLoc=slurm_acct_db_{cluster}",
+                    "",
+                ]
+            )
+        )
         dbd.chmod(0o600)  # slurmdbd refuses a config others can read (it holds the password)
 
     # ---- daemons ----
@@ -190,37 +211,67 @@ class Cluster:
             key.chmod(0o400)
         # munged refuses to run as root without --force; everything else is in our directory
         subprocess.run(
-            [which("munged"), "--force", f"--socket={self.path('munge', 'munge.socket')}", f"--key-file={key}",
-             f"--pid-file={self.path('run', 'munged.pid')}", f"--log-file={self.path('log', 'munged.log')}",
-             f"--seed-file={self.path('munge', 'munge.seed')}"],
-            check=True, capture_output=True,
+            [
+                which("munged"),
+                "--force",
+                f"--socket={self.path('munge', 'munge.socket')}",
+                f"--key-file={key}",
+                f"--pid-file={self.path('run', 'munged.pid')}",
+                f"--log-file={self.path('log', 'munged.log')}",
+                f"--seed-file={self.path('munge', 'munge.seed')}",
+            ],
+            check=True,
+            capture_output=True,
         )
         wait_for("munged", lambda: self.path("munge", "munge.socket").exists(), 10, self.path("log", "munged.log"))
 
     def _mysql(self, sql: str) -> subprocess.CompletedProcess:
         return subprocess.run(
             [which("mariadb"), "--no-defaults", f"--socket={self.path('mysql.sock')}", "-u", "root", "-e", sql],
-            capture_output=True, text=True, check=False,
+            capture_output=True,
+            text=True,
+            check=False,
         )
 
     def _start_mariadb(self, port: int) -> None:
         datadir = self.path("mysql")
         if not (datadir / "mysql").exists():
             done = subprocess.run(
-                [which("mariadb-install-db"), "--no-defaults", f"--datadir={datadir}", "--user=root",
-                 "--auth-root-authentication-method=socket", "--skip-test-db"],
-                capture_output=True, text=True, check=False,
+                [
+                    which("mariadb-install-db"),
+                    "--no-defaults",
+                    f"--datadir={datadir}",
+                    "--user=root",
+                    "--auth-root-authentication-method=socket",
+                    "--skip-test-db",
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
             )
             if done.returncode:
-                raise ClusterError("mariadb-install-db failed: " + (done.stderr or done.stdout).strip().splitlines()[-1])
+                raise ClusterError(
+                    "mariadb-install-db failed: " + (done.stderr or done.stdout).strip().splitlines()[-1]
+                )
         with open(self.path("log", "mariadb.log"), "ab") as log:  # the daemon keeps its own copy of the descriptor
             self._children["mariadbd"] = subprocess.Popen(
-                [which("mariadbd"), "--no-defaults", f"--datadir={datadir}", "--user=root", f"--port={port}",
-                 "--bind-address=127.0.0.1", f"--socket={self.path('mysql.sock')}",
-                 f"--pid-file={self.path('run', 'mariadbd.pid')}", "--skip-log-bin", "--innodb-buffer-pool-size=64M",
-                 # a throwaway database: stop without flushing it
-                 "--innodb-fast-shutdown=2"],
-                stdout=log, stderr=log, start_new_session=True,
+                [
+                    which("mariadbd"),
+                    "--no-defaults",
+                    f"--datadir={datadir}",
+                    "--user=root",
+                    f"--port={port}",
+                    "--bind-address=127.0.0.1",
+                    f"--socket={self.path('mysql.sock')}",
+                    f"--pid-file={self.path('run', 'mariadbd.pid')}",
+                    "--skip-log-bin",
+                    "--innodb-buffer-pool-size=64M",
+                    # a throwaway database: stop without flushing it
+                    "--innodb-fast-shutdown=2",
+                ],
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
             )
         wait_for("mariadbd", lambda: self._mysql("SELECT 1").returncode == 0, 60, self.path("log", "mariadb.log"))
         done = self._mysql(
@@ -250,14 +301,26 @@ class Cluster:
             self._start_munge()
             self._start_mariadb(ports["mysql"])
             self._start_daemon("slurmdbd")
-            wait_for("slurmdbd", lambda: self.run("sacctmgr", "-n", "show", "cluster").returncode == 0, 60,
-                     self.path("log", "slurmdbd.log"))
+            wait_for(
+                "slurmdbd",
+                lambda: self.run("sacctmgr", "-n", "show", "cluster").returncode == 0,
+                60,
+                self.path("log", "slurmdbd.log"),
+            )
             self._start_daemon("slurmctld")
-            wait_for("slurmctld", lambda: self.run("scontrol", "ping").returncode == 0 and "UP" in self.run("scontrol", "ping").stdout,
-                     30, self.path("log", "slurmctld.log"))
+            wait_for(
+                "slurmctld",
+                lambda: self.run("scontrol", "ping").returncode == 0 and "UP" in self.run("scontrol", "ping").stdout,
+                30,
+                self.path("log", "slurmctld.log"),
+            )
             self._start_daemon("slurmd")
-            wait_for("slurmd", lambda: self.run("sinfo", "-h", "-o", "%T").stdout.strip().startswith("idle"), 60,
-                     self.path("log", "slurmd.log"))
+            wait_for(
+                "slurmd",
+                lambda: self.run("sinfo", "-h", "-o", "%T").stdout.strip().startswith("idle"),
+                60,
+                self.path("log", "slurmd.log"),
+            )
         except BaseException:
             self.stop()
             raise

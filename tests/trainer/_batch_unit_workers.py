@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 
-def random_batch(seed: int) -> "RolloutBatch":  # noqa: F821 - imported lazily, as in the ranks
+def random_batch(seed: int) -> RolloutBatch:  # noqa: F821 - imported lazily, as in the ranks
     """A batch of 0-6 sequences: prompts of 1-9 tokens (a prompt is never empty), responses of 0-9."""
     from stapo_megatron.trainer.batch import RolloutBatch
 
@@ -51,8 +51,9 @@ def broadcast_random_batches(out_dir: str, seeds: list[int]) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=1))
     try:
         # broadcast_rollouts reads these four fields of a ParallelContext; on gloo both groups are the world
-        ctx = SimpleNamespace(rank=dist.get_rank(), device=torch.device("cpu"), cpu_group=dist.group.WORLD,
-                              world_group=dist.group.WORLD)
+        ctx = SimpleNamespace(
+            rank=dist.get_rank(), device=torch.device("cpu"), cpu_group=dist.group.WORLD, world_group=dist.group.WORLD
+        )
         received = []
         for k, seed in enumerate(seeds):
             src = k % 2

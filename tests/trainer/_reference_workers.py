@@ -35,14 +35,27 @@ def rollout(vocab_size: int, seed: int = 0) -> RolloutBatch:
         prompts.append(torch.randint(1, vocab_size, (p,), generator=generator).tolist())
         responses.append(torch.randint(1, vocab_size, (r,), generator=generator).tolist())
         logprobs.append((-4 * torch.rand(r, generator=generator)).tolist())
-    return RolloutBatch(prompts, responses, logprobs, torch.zeros(n, dtype=torch.bool), correct.reshape(-1),
-                        correct.reshape(-1), advantages.reshape(-1), torch.arange(groups).repeat_interleave(GROUP))
+    return RolloutBatch(
+        prompts,
+        responses,
+        logprobs,
+        torch.zeros(n, dtype=torch.bool),
+        correct.reshape(-1),
+        correct.reshape(-1),
+        advantages.reshape(-1),
+        torch.arange(groups).repeat_interleave(GROUP),
+    )
 
 
 def config(**algo) -> SimpleNamespace:
     return SimpleNamespace(
-        batch=SimpleNamespace(minibatches_per_step=2, max_tokens_per_microbatch=200, max_tokens_per_forward=300,
-                              skip_zero_advantage=True, temperature=TEMPERATURE),
+        batch=SimpleNamespace(
+            minibatches_per_step=2,
+            max_tokens_per_microbatch=200,
+            max_tokens_per_forward=300,
+            skip_zero_advantage=True,
+            temperature=TEMPERATURE,
+        ),
         compute=SimpleNamespace(logits_chunk_size=64),
         parallel=SimpleNamespace(sequence_parallel=False),
         algo=AlgoConfig(**algo),
@@ -95,12 +108,21 @@ def reference_checks(out_dir: str, hf_dir: str, arch_fields: dict, tensor_parall
 
     check("equals_policy_at_step_0", equals_policy_at_step_0)
 
-    ddp = DistributedDataParallel(config=policy.config, module=policy, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False))
+    ddp = DistributedDataParallel(
+        config=policy.config,
+        module=policy,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        ),
+    )
     policy.config.finalize_model_grads_func = finalize_model_grads
     policy.config.no_sync_func = ddp.no_sync
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=0.0, params_dtype=torch.float32,
-                                                       use_distributed_optimizer=False), [ddp])
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=1e-2, clip_grad=0.0, params_dtype=torch.float32, use_distributed_optimizer=False
+        ),
+        [ddp],
+    )
     cfg = config(token_rule="all", kl_coef=0.5, kl_estimator="k3")
     updater = PolicyUpdater(ddp, optimizer, cfg, arch, ctx, reference=reference)
     batch = rollout(arch.vocab_size)
@@ -134,7 +156,9 @@ def reference_checks(out_dir: str, hf_dir: str, arch_fields: dict, tensor_parall
         offload = TrainerOffload(ddp, optimizer, ctx.device, reference=reference.model)
         offload.offload(OPTIMIZER)
         assert all(p.untyped_storage().nbytes() == 0 for p in reference.model.parameters()), "reference not offloaded"
-        assert all(p.untyped_storage().nbytes() > 0 for p in policy.parameters()), "policy weights left with the optimizer"
+        assert all(p.untyped_storage().nbytes() > 0 for p in policy.parameters()), (
+            "policy weights left with the optimizer"
+        )
         offload.reload()
         assert not offload.offloaded(OPTIMIZER) and not offload.offloaded(PARAMS)
         for name, value in reference.model.named_parameters():

@@ -22,8 +22,16 @@ def train_command(run_dir: Path, *overrides: str) -> list[str]:
 def torchrun_command(config: Path, nproc: int, *overrides: str) -> list[str]:
     """The ranks under an existing torchrun launch, as SLURM / NeMo-Run start them."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "stapo_megatron.trainer.main", "--config", str(config), *overrides,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "stapo_megatron.trainer.main",
+        "--config",
+        str(config),
+        *overrides,
     ]
 
 
@@ -51,7 +59,9 @@ def metrics(run_dir: Path) -> list[dict]:
 def start_session(command: list[str]) -> subprocess.Popen:
     """A process in a session of its own, so the whole launch can be killed at once."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        command, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def kill_when(process: subprocess.Popen, condition, timeout: float = 300, poll: float = 0.002) -> None:
@@ -61,7 +71,9 @@ def kill_when(process: subprocess.Popen, condition, timeout: float = 300, poll: 
     deadline = time.monotonic() + timeout
     while not condition():
         if process.poll() is not None:
-            raise AssertionError(f"the run ended (exit {process.returncode}) before the kill point:\n{process.stdout.read()[-3000:]}")
+            raise AssertionError(
+                f"the run ended (exit {process.returncode}) before the kill point:\n{process.stdout.read()[-3000:]}"
+            )
         if time.monotonic() > deadline:
             kill_tree(process.pid)
             raise AssertionError("the kill point was not reached in time")

@@ -57,7 +57,16 @@ def test_pack_round_trip_is_exact_with_an_empty_response():
 
 
 def test_pack_round_trip_of_an_empty_batch():
-    empty = RolloutBatch([], [], [], torch.zeros(0, dtype=torch.bool), torch.zeros(0), torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.long))
+    empty = RolloutBatch(
+        [],
+        [],
+        [],
+        torch.zeros(0, dtype=torch.bool),
+        torch.zeros(0),
+        torch.zeros(0),
+        torch.zeros(0),
+        torch.zeros(0, dtype=torch.long),
+    )
     sizes, integers, floats = pack_rollouts(empty)
     assert sizes.tolist() == [0, 0, 0] and integers.numel() == floats.numel() == 0
     back = unpack_rollouts(sizes, integers, floats)
@@ -163,18 +172,32 @@ def _long_tailed_batch(groups: int, group_size: int, seed: int = 0, zero_groups:
     grouped = rewards.view(groups, group_size)
     advantages = (grouped - grouped.mean(1, keepdim=True)).reshape(-1)
     n = groups * group_size
-    return RolloutBatch(prompts, responses, logprobs, torch.zeros(n, dtype=torch.bool), rewards, rewards.clone(),
-                        advantages, torch.arange(groups).repeat_interleave(group_size))
+    return RolloutBatch(
+        prompts,
+        responses,
+        logprobs,
+        torch.zeros(n, dtype=torch.bool),
+        rewards,
+        rewards.clone(),
+        advantages,
+        torch.arange(groups).repeat_interleave(group_size),
+    )
 
 
 def _cfg(minibatches: int, update: int, forward: int, **algo) -> SimpleNamespace:
-    batch = SimpleNamespace(minibatches_per_step=minibatches, max_tokens_per_microbatch=update, max_tokens_per_forward=forward,
-                            skip_zero_advantage=True)
+    batch = SimpleNamespace(
+        minibatches_per_step=minibatches,
+        max_tokens_per_microbatch=update,
+        max_tokens_per_forward=forward,
+        skip_zero_advantage=True,
+    )
     return SimpleNamespace(batch=batch, algo=AlgoConfig(**algo))
 
 
 def _plans(batch, cfg, dp: int):
-    return [plan_step(batch, cfg, SimpleNamespace(dp_size=dp, dp_rank=r, device=torch.device("cpu"))) for r in range(dp)]
+    return [
+        plan_step(batch, cfg, SimpleNamespace(dp_size=dp, dp_rank=r, device=torch.device("cpu"))) for r in range(dp)
+    ]
 
 
 def test_plan_covers_each_sequence_once_per_minibatch_within_budget_with_equal_counts():
@@ -213,8 +236,12 @@ def _made_up_stats(batch, microbatches, slots) -> list[TokenStats]:
     generator = torch.Generator().manual_seed(5)
     logprob_table = -9.0 * torch.rand(slots.size, generator=generator)
     entropy_table = 3.0 * torch.rand(slots.size, generator=generator)
-    return [TokenStats(logprob_table[mb["token_index"]], entropy_table[mb["token_index"]], mb["advantages"], mb["response_mask"])
-            for mb in microbatches]
+    return [
+        TokenStats(
+            logprob_table[mb["token_index"]], entropy_table[mb["token_index"]], mb["advantages"], mb["response_mask"]
+        )
+        for mb in microbatches
+    ]
 
 
 def test_s2t_threshold_and_kept_tokens_equal_the_padded_path():
@@ -229,7 +256,9 @@ def test_s2t_threshold_and_kept_tokens_equal_the_padded_path():
     # the packed path: two data-parallel ranks, 300-token micro-batches (one list per rank concatenated:
     # the quantile over a group is the quantile over the concatenation of its ranks' values)
     parts = balance_over_ranks(everything, lengths, 2)
-    packed = [mb for part in parts for mb in make_microbatches(batch, pack_by_budget(part, lengths, 300), cpu, slots=slots)]
+    packed = [
+        mb for part in parts for mb in make_microbatches(batch, pack_by_budget(part, lengths, 300), cpu, slots=slots)
+    ]
     assert len(packed) < len(padded) / 4
     results = []
     for microbatches in (padded, packed):
@@ -255,11 +284,19 @@ def test_budget_config_errors_are_one_line_and_name_the_field():
         load_config(TrainConfig, tiny, ["batch.micro_batch_size=4"])
     assert str(old.value).startswith("batch.micro_batch_size: removed") and "\n" not in str(old.value)
     assert "batch.max_tokens_per_microbatch" in str(old.value) and "batch.max_tokens_per_forward" in str(old.value)
-    with pytest.raises(ConfigError, match=r"^batch.max_tokens_per_forward: 2000 tokens is less than the longest sequence, "
-                                          r"data.max_prompt_tokens \+ batch.max_new_tokens = 2051$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^batch.max_tokens_per_forward: 2000 tokens is less than the longest sequence, "
+        r"data.max_prompt_tokens \+ batch.max_new_tokens = 2051$",
+    ):
         load_config(TrainConfig, tiny, ["batch.max_tokens_per_forward=2000"])
     # the longest sequence itself fits; under sequence parallelism the row is also a multiple of TP
-    assert load_config(TrainConfig, tiny, ["batch.max_tokens_per_microbatch=2051"]).batch.max_tokens_per_microbatch == 2051
+    assert (
+        load_config(TrainConfig, tiny, ["batch.max_tokens_per_microbatch=2051"]).batch.max_tokens_per_microbatch == 2051
+    )
     with pytest.raises(ConfigError, match="in whole multiples of tensor_parallel=2"):
-        load_config(TrainConfig, tiny, ["batch.max_tokens_per_microbatch=2051", "parallel.tensor_parallel=2",
-                                        "parallel.sequence_parallel=true"])
+        load_config(
+            TrainConfig,
+            tiny,
+            ["batch.max_tokens_per_microbatch=2051", "parallel.tensor_parallel=2", "parallel.sequence_parallel=true"],
+        )

@@ -112,16 +112,27 @@ def test_token_slots_carry_values_from_one_layout_to_another():
         slots = token_slots(batch, sequences)
         assert slots.size == sum(lengths.values()) + 1
         longest = max(lengths.values(), default=1)
-        forward = make_microbatches(batch, pack_by_budget(sequences, lengths, longest + rng.randint(0, 20)), CPU,
-                                    slots=slots, pad_to_multiple=rng.choice([1, 4]))
+        forward = make_microbatches(
+            batch,
+            pack_by_budget(sequences, lengths, longest + rng.randint(0, 20)),
+            CPU,
+            slots=slots,
+            pad_to_multiple=rng.choice([1, 4]),
+        )
         table = torch.full((slots.size,), -1.0, dtype=torch.float64)
         for mb in forward:
             values, real = _token_values(mb, lengths)
             table[mb["token_index"][real]] = values[real]
         assert bool((table[:-1] >= 0).all()), "every slot but the padding one is written exactly by some token"
         # read back under the padded one-sequence-per-row layout, in another order
-        update = make_microbatches(batch, [[i] for i in reversed(sequences)], CPU, packed=False, slots=slots,
-                                   pad_to_multiple=rng.choice([1, 8]))
+        update = make_microbatches(
+            batch,
+            [[i] for i in reversed(sequences)],
+            CPU,
+            packed=False,
+            slots=slots,
+            pad_to_multiple=rng.choice([1, 8]),
+        )
         for mb in update:
             values, real = _token_values(mb, lengths)
             assert torch.equal(table[mb["token_index"]][real], values[real])
@@ -152,6 +163,6 @@ def test_packed_rows_hold_each_response_as_its_labels_and_pad_to_the_multiple():
                 assert bool((mb["advantages"][0, start:end][mask] == batch.advantages[i]).all())
                 seen.append(i)
             # the padding segment, if any, scores nothing
-            assert mb["response_mask"][0, mb["cu_seqlens"][mb["sequence_index"].numel()].item():].sum() == 0
+            assert mb["response_mask"][0, mb["cu_seqlens"][mb["sequence_index"].numel()].item() :].sum() == 0
         assert sorted(seen) == sequences
         assert sum(float(mb["response_mask"].sum()) for mb in microbatches) == sum(len(r) for r in batch.response_ids)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -55,8 +54,17 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
 def test_a_step_whose_groups_are_all_filtered_out_makes_no_update(tmp_path):
     run_dir = tmp_path / "run"
     # 256 tokens: a random policy never answers right, so DAPO's dynamic sampling drops every group.
-    run(train_command(run_dir, "run.steps=2", "data.synthetic_distractors=241", "model.vocab_size=256",
-                      "algo=dapo", "algo.overlong_buffer=1", "batch.max_sampling_rounds=2"))
+    run(
+        train_command(
+            run_dir,
+            "run.steps=2",
+            "data.synthetic_distractors=241",
+            "model.vocab_size=256",
+            "algo=dapo",
+            "algo.overlong_buffer=1",
+            "batch.max_sampling_rounds=2",
+        )
+    )
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:

@@ -41,8 +41,11 @@ def test_a_phase_that_hangs_ends_the_process_with_the_phase_step_and_checkpoint_
     assert "not reached" not in done.stdout
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
-    assert re.fullmatch(r"stapo: error: rank 3: no progress for \d+ s \(run.hang_timeout_s=1\) in phase 'rollout' of step 5; "
-                        r"exiting with code 75, the run resumes from the checkpoint of step 4", lines[0]), lines[0]
+    assert re.fullmatch(
+        r"stapo: error: rank 3: no progress for \d+ s \(run.hang_timeout_s=1\) in phase 'rollout' of step 5; "
+        r"exiting with code 75, the run resumes from the checkpoint of step 4",
+        lines[0],
+    ), lines[0]
     assert elapsed < 30  # fired after ~1.1 s (plus the interpreter's start), not after the 60 s sleep
 
 
@@ -91,10 +94,16 @@ def test_hang_timeout_is_checked_when_the_config_loads():
         load_config(TrainConfig, None, ["run.hang_timeout_s=0"])
     with pytest.raises(ConfigError, match=r"^run.hang_timeout_s: must be a finite number"):
         load_config(TrainConfig, None, ["run.hang_timeout_s=inf"])
-    with pytest.raises(ConfigError, match=r"^run.hang_timeout_s: 3600 s must be below the collective timeout "
-                                          r"parallel.timeout_minutes=30 \(1800 s\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^run.hang_timeout_s: 3600 s must be below the collective timeout "
+        r"parallel.timeout_minutes=30 \(1800 s\)$",
+    ):
         load_config(TrainConfig, None, ["run.hang_timeout_s=3600"])
-    assert load_config(TrainConfig, None, ["run.hang_timeout_s=3600", "parallel.timeout_minutes=90"]).run.hang_timeout_s == 3600
+    assert (
+        load_config(TrainConfig, None, ["run.hang_timeout_s=3600", "parallel.timeout_minutes=90"]).run.hang_timeout_s
+        == 3600
+    )
 
 
 def _ranks_of(launcher_pid: int) -> dict[int, int]:
@@ -122,8 +131,16 @@ def test_a_rank_stuck_in_a_collective_is_ended_and_the_run_resumes_from_the_name
 
     run_dir = tmp_path / "run"
     settings = ["run.steps=12", "checkpoint.save_every=1", "checkpoint.keep_last=2", "run.hang_timeout_s=10"]
-    launch = start_session(torchrun_command(default_config_path(), 2, f"run.output_dir={run_dir}", "logging.progress_bar=false",
-                                            "logging.tensorboard=false", *settings))
+    launch = start_session(
+        torchrun_command(
+            default_config_path(),
+            2,
+            f"run.output_dir={run_dir}",
+            "logging.progress_bar=false",
+            "logging.tensorboard=false",
+            *settings,
+        )
+    )
     try:
         deadline = time.monotonic() + 300
         # complete lines only: the logger may be half-way through the next one

@@ -20,16 +20,40 @@ def write_dump(run_dir):
     for step, tokens in DUMP.items():
         with open(directory / f"step_{step:07d}.jsonl", "w", encoding="utf-8") as f:
             for position, token in enumerate(tokens):
-                f.write(json.dumps({
-                    "step": step, "sequence": 0, "position": position, "token_id": 100 + position, "token": token,
-                    "probability": 1e-3, "entropy": 0.5, "advantage": 1.0, "correct": True,
-                    "before": "7 + 6 =", "after": "<eos>",
-                }) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "sequence": 0,
+                            "position": position,
+                            "token_id": 100 + position,
+                            "token": token,
+                            "probability": 1e-3,
+                            "entropy": 0.5,
+                            "advantage": 1.0,
+                            "correct": True,
+                            "before": "7 + 6 =",
+                            "after": "<eos>",
+                        }
+                    )
+                    + "\n"
+                )
 
 
 def test_paper_classes_by_decoded_text():
     assert [paper_class(t) for t in ["3", " 42", "\u00b2", "$", " $$", "x", " x", "X", "xy", "<d5>", "", " "]] == [
-        "digit", "digit", None, "$", "$", "x", "x", None, None, None, None, None,
+        "digit",
+        "digit",
+        None,
+        "$",
+        "$",
+        "x",
+        "x",
+        None,
+        None,
+        None,
+        None,
+        None,
     ]
 
 

@@ -23,7 +23,16 @@ def test_silenced_tokens_do_not_depend_on_micro_batching_or_data_parallelism(tra
     one = tmp_path / "one_microbatch"
     run(train_command(one, *common, "batch.max_tokens_per_microbatch=65536", "batch.max_tokens_per_forward=65536"))
     split = tmp_path / "dp2_two_microbatches_each"
-    run(train_command(split, *common, "parallel.tensor_parallel=1", "parallel.data_parallel=2", "batch.max_tokens_per_microbatch=2051", "batch.max_tokens_per_forward=2051"))
+    run(
+        train_command(
+            split,
+            *common,
+            "parallel.tensor_parallel=1",
+            "parallel.data_parallel=2",
+            "batch.max_tokens_per_microbatch=2051",
+            "batch.max_tokens_per_forward=2051",
+        )
+    )
     a, b = silenced(one), silenced(split)
     assert len(a) >= 3, "the check needs silenced tokens"
     assert a == b

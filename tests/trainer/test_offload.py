@@ -23,11 +23,13 @@ def _microbatches(rank: int, step: int, vocab: int) -> list[dict]:
     batches = []
     for _ in range(2):
         tokens = torch.randint(0, vocab, (2, 9), generator=generator)
-        batches.append({
-            "input_ids": tokens[:, :-1],
-            "position_ids": torch.arange(8).expand(2, 8),
-            "labels": tokens[:, 1:],
-        })
+        batches.append(
+            {
+                "input_ids": tokens[:, :-1],
+                "position_ids": torch.arange(8).expand(2, 8),
+                "labels": tokens[:, 1:],
+            }
+        )
     return batches
 
 
@@ -84,8 +86,17 @@ def offload_round_trips(out_dir: str) -> None:
 
     ctx = init_distributed(ParallelConfig(data_parallel=2, timeout_minutes=2), seed=0)
     megatron_fixes.apply()
-    arch = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=8, max_position_embeddings=32, tie_word_embeddings=False)
+    arch = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
     results = {}
     for dtype_name, distributed in LAYOUTS:
         dtype = getattr(torch, dtype_name)
@@ -134,7 +145,8 @@ def offload_round_trips(out_dir: str) -> None:
         grad_buffer_bytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b in model.buffers)
         param_storage_bytes = (
             sum(b.param_data.numel() * b.param_data.element_size() for b in model.buffers)
-            if distributed else sum(p.numel() * p.element_size() for p in params)
+            if distributed
+            else sum(p.numel() * p.element_size() for p in params)
         )
         shard_numel = sum(p.numel() for p in main_params)
         adam_bytes = 2 * 4 * shard_numel + 4 * len(main_params)  # exp_avg, exp_avg_sq in fp32, one step scalar each
@@ -170,8 +182,15 @@ def test_offload_round_trip_is_bit_exact_and_training_matches(tmp_path):
         assert sorted(results) == sorted(f"{d}/{'distributed' if o else 'plain'}" for d, o in LAYOUTS)
         for layout, check in results.items():
             where = f"rank {rank} {layout}"
-            for flag in ("optimizer_part_keeps_params", "grads_freed", "adam_state_freed", "main_params_freed",
-                         "second_offload_moves_nothing", "params_freed", "params_moved"):
+            for flag in (
+                "optimizer_part_keeps_params",
+                "grads_freed",
+                "adam_state_freed",
+                "main_params_freed",
+                "second_offload_moves_nothing",
+                "params_freed",
+                "params_moved",
+            ):
                 assert check[flag], f"{where}: {flag}"
             if layout.endswith("distributed"):
                 assert check["param_buffers_freed"], where
@@ -193,11 +212,15 @@ def test_offload_needs_the_servers_on_the_trainers_gpus():
     from stapo_megatron.trainer.config import TrainConfig
 
     server = ["rollout.engine=sglang", "rollout.sglang.model_path=/models/qwen3"]
-    with pytest.raises(ConfigError, match=r"^compute.offload_while_generating: needs the rollout servers on the trainer's "
-                                          r"GPUs \(rollout.sglang.placement: colocated\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^compute.offload_while_generating: needs the rollout servers on the trainer's "
+        r"GPUs \(rollout.sglang.placement: colocated\)",
+    ):
         load_config(TrainConfig, None, [*server, "compute.offload_while_generating=true"])
-    colocated = load_config(TrainConfig, None, [*server, "rollout.sglang.placement=colocated",
-                                                 "compute.offload_while_generating=true"])
+    colocated = load_config(
+        TrainConfig, None, [*server, "rollout.sglang.placement=colocated", "compute.offload_while_generating=true"]
+    )
     assert colocated.compute.offload_while_generating
     # the in-process engine runs on the trainer's device: colocated by construction
     assert load_config(TrainConfig, None, ["compute.offload_while_generating=true"]).compute.offload_while_generating
@@ -240,11 +263,17 @@ def test_phases_around_generation_run_in_the_order_the_gpu_memory_needs(monkeypa
 
     calls = []
     monkeypatch.setattr(trainer_module.dist, "barrier", lambda group=None: calls.append("barrier"))
-    engine = SimpleNamespace(resume_memory=lambda: calls.append("engine resume"),
-                             release_memory=lambda: calls.append("engine release"))
+    engine = SimpleNamespace(
+        resume_memory=lambda: calls.append("engine resume"), release_memory=lambda: calls.append("engine release")
+    )
     holder = SimpleNamespace(
-        rank=0, offload=_RecordingOffload(calls), engine_released=False, engine_version=None, release_engine=True,
-        moved_bytes={"offload": 0, "reload": 0}, ctx=SimpleNamespace(cpu_group=None),
+        rank=0,
+        offload=_RecordingOffload(calls),
+        engine_released=False,
+        engine_version=None,
+        release_engine=True,
+        moved_bytes={"offload": 0, "reload": 0},
+        ctx=SimpleNamespace(cpu_group=None),
         controller=RolloutController(SimpleNamespace(engine=engine), evaluator=None, logger=None, run_dir=None),
         sync_weights=lambda version: calls.append(f"sync {version}"),
     )

@@ -19,8 +19,15 @@ from stapo_megatron.runtime.launch import spawn_ranks
 from stapo_megatron.trainer.batch import RolloutBatch, make_microbatches, model_tokens, pack_by_budget, token_slots
 
 ARCH = Qwen3Config(
-    vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
 )
 # (prompt, response) lengths: from 3 to 121 model tokens, none a multiple of 2
 SHAPES = [(5, 80), (3, 2), (7, 1), (2, 25), (4, 9), (6, 40), (9, 113), (3, 0)]
@@ -68,15 +75,24 @@ def _run_layout(ctx, model, microbatches, slots, aggregation, correction, old_lo
     losses = []
 
     def loss_fn(logits, batch):
-        lp, h = vocab_parallel_logprob_entropy(logits, batch["labels"], tp_group=ctx.tp_group, vocab_size=ARCH.vocab_size,
-                                               entropy_grad=True)
+        lp, h = vocab_parallel_logprob_entropy(
+            logits, batch["labels"], tp_group=ctx.tp_group, vocab_size=ARCH.vocab_size, entropy_grad=True
+        )
         index = batch["token_index"]
         logprob[index] = lp.detach().double()
         entropy[index] = h.detach().double()
         old = old_logprob[index].float() if old_logprob is not None else lp.detach()
         loss_sum, num_tokens, _ = policy_loss(
-            lp, old, batch["advantages"], batch["response_mask"], entropy=h, entropy_coef=0.01, aggregation=aggregation,
-            response_mask=batch["response_mask"], rollout_logprob=batch["rollout_logprobs"], rollout_correction=correction,
+            lp,
+            old,
+            batch["advantages"],
+            batch["response_mask"],
+            entropy=h,
+            entropy_coef=0.01,
+            aggregation=aggregation,
+            response_mask=batch["response_mask"],
+            rollout_logprob=batch["rollout_logprobs"],
+            rollout_correction=correction,
             segment_ids=batch["segment_ids"],
         )
         losses.append(loss_sum.detach().double())
@@ -125,8 +141,9 @@ def packed_vs_padded(out_dir: str, layouts: list[dict]) -> None:
     batch = rollout_batch()
     for layout in layouts:
         sp = layout.get("sequence_parallel", False)
-        ctx = init_distributed(ParallelConfig(tensor_parallel=layout["tp"], pipeline_parallel=layout["pp"],
-                                              sequence_parallel=sp), seed=7)
+        ctx = init_distributed(
+            ParallelConfig(tensor_parallel=layout["tp"], pipeline_parallel=layout["pp"], sequence_parallel=sp), seed=7
+        )
         model = build_stage(ARCH, calculate_per_token_loss=True, sequence_parallel=sp)
         with torch.no_grad():  # logits of a few units, not the near-uniform ones of std-0.02 weights
             for name, p in model.named_parameters():
@@ -144,11 +161,16 @@ def packed_vs_padded(out_dir: str, layouts: list[dict]) -> None:
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("packing")
     spawn_ranks(packed_vs_padded, 1, str(out), [{"name": "tp1", "tp": 1, "pp": 1}])
-    spawn_ranks(packed_vs_padded, 2, str(out), [
-        {"name": "tp2", "tp": 2, "pp": 1},
-        {"name": "tp2_sp", "tp": 2, "pp": 1, "sequence_parallel": True},
-        {"name": "pp2_uneven", "tp": 1, "pp": 2},
-    ])
+    spawn_ranks(
+        packed_vs_padded,
+        2,
+        str(out),
+        [
+            {"name": "tp2", "tp": 2, "pp": 1},
+            {"name": "tp2_sp", "tp": 2, "pp": 1, "sequence_parallel": True},
+            {"name": "pp2_uneven", "tp": 1, "pp": 2},
+        ],
+    )
     merged = {}
     for path in sorted(out.glob("world*_rank*.json")):
         merged.update(json.loads(path.read_text()))
@@ -192,6 +214,8 @@ def test_packed_row_layout_and_boundaries():
             assert mb["position_ids"][0, lo:hi].tolist() == list(range(hi - lo))
             assert mb["segment_ids"][0, lo:hi].tolist() == [k] * (hi - lo)
             assert int(mb["response_mask"][0, lo:hi].sum()) == len(batch.response_ids[i])
-            assert mb["rollout_logprobs"][0, lo:hi][mb["response_mask"][0, lo:hi] > 0].tolist() == pytest.approx(batch.rollout_logprobs[i])
+            assert mb["rollout_logprobs"][0, lo:hi][mb["response_mask"][0, lo:hi] > 0].tolist() == pytest.approx(
+                batch.rollout_logprobs[i]
+            )
             assert mb["token_index"][0, lo:hi].tolist() == list(range(slots.offsets[i], slots.offsets[i] + hi - lo))
-        assert mb["response_mask"][0, sum(n):].sum() == 0 and (mb["token_index"][0, sum(n):] == slots.pad_slot).all()
+        assert mb["response_mask"][0, sum(n) :].sum() == 0 and (mb["token_index"][0, sum(n) :] == slots.pad_slot).all()

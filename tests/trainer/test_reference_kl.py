@@ -66,8 +66,9 @@ def test_loss_gradient_with_the_kl_term_matches_fp64_autograd(estimator):
     keep[0, 0] = 0.5  # a fractional weight
     coef = 0.3
     lp = lp64.float().requires_grad_()
-    loss_sum, count, metrics = policy_loss(lp, old.float(), adv[:, 0].float(), keep.float(), ref_logprob=ref.float(),
-                                           kl_coef=coef, kl_estimator=estimator)
+    loss_sum, count, metrics = policy_loss(
+        lp, old.float(), adv[:, 0].float(), keep.float(), ref_logprob=ref.float(), kl_coef=coef, kl_estimator=estimator
+    )
     (loss_sum / count).backward()
     x = lp.detach().double().requires_grad_()
     expected = _independent_loss(x, old, ref, adv, keep, coef, estimator)
@@ -86,8 +87,15 @@ def test_loss_gradient_with_the_kl_term_matches_fp64_autograd(estimator):
 
 def test_kl_estimator_is_checked_and_kl_coef_is_accepted_by_the_trainer():
     with pytest.raises(ValueError, match="^kl_estimator: 'mse' is not one of k1, k2, k3$"):
-        policy_loss(torch.zeros(2), torch.zeros(2), torch.ones(2), torch.ones(2), ref_logprob=torch.zeros(2),
-                    kl_coef=0.1, kl_estimator="mse")
+        policy_loss(
+            torch.zeros(2),
+            torch.zeros(2),
+            torch.ones(2),
+            torch.ones(2),
+            ref_logprob=torch.zeros(2),
+            kl_coef=0.1,
+            kl_estimator="mse",
+        )
     with pytest.raises(ConfigError, match="^algo.kl_estimator:"):
         build(AlgoConfig, {"preset": "grpo", "kl_estimator": "low_var_kl"}, "algo")
     from stapo_megatron.trainer.launcher import default_config_path
@@ -179,17 +187,23 @@ def test_plan_counts_the_reference_weights_when_kl_coef_is_positive():
     layout = Layout(tp=2, pp=2, dp=2)
     for dtype in ("bfloat16", "float32"):
         plain = estimate(arch, layout, Workload(seq_len=4096, kernels="local", params_dtype=dtype))
-        with_ref = estimate(arch, layout, Workload(seq_len=4096, kernels="local", params_dtype=dtype, reference_model=True))
+        with_ref = estimate(
+            arch, layout, Workload(seq_len=4096, kernels="local", params_dtype=dtype, reference_model=True)
+        )
         for stage, (a, b) in enumerate(zip(plain.stages, with_ref.stages)):
             params = stage_parameters(arch, layout.tp, layout.pp, stage)
             # the local spec keeps the RMSNorm weights in fp32 whatever the dtype
-            expected = sum(p.numel * (4 if dtype == "float32" or p.name.endswith("layernorm.weight") else 2) for p in params)
+            expected = sum(
+                p.numel * (4 if dtype == "float32" or p.name.endswith("layernorm.weight") else 2) for p in params
+            )
             assert a.reference == 0 and b.reference == expected > 0
             assert b.trainer - a.trainer == expected
         # without offload the reference stays resident while the servers generate
         kept = max(st.weights + st.grads + st.optimizer + st.reference for st in with_ref.stages)
         assert with_ref.rollout_phase == kept + with_ref.sglang + with_ref.reserve > plain.rollout_phase
-        offloaded = [estimate(arch, layout, Workload(seq_len=4096, reference_model=r), offload=True) for r in (False, True)]
+        offloaded = [
+            estimate(arch, layout, Workload(seq_len=4096, reference_model=r), offload=True) for r in (False, True)
+        ]
         assert offloaded[0].rollout_phase == offloaded[1].rollout_phase  # it leaves with the optimizer state
     path = str(default_config_path())
     assert _from_config(load_config(TrainConfig, path, ["algo=grpo_kl"]))["reference_model"] is True

@@ -10,7 +10,14 @@ import pytest
 
 from tests.trainer.runs import metrics, run, train_command
 
-COMPARED = ("reward/accuracy", "policy/response_tokens", "policy/kept_tokens", "policy/pg_loss", "optim/grad_norm", "policy/entropy")
+COMPARED = (
+    "reward/accuracy",
+    "policy/response_tokens",
+    "policy/kept_tokens",
+    "policy/pg_loss",
+    "optim/grad_norm",
+    "policy/entropy",
+)
 
 
 @pytest.mark.slow

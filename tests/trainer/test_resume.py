@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from stapo_megatron.trainer.launcher import default_config_path
-from tests.trainer.runs import checkpoint_tensors, kill_when, metrics, run, start_session, torchrun_command, train_command
+from tests.trainer.runs import (
+    checkpoint_tensors,
+    kill_when,
+    metrics,
+    run,
+    start_session,
+    torchrun_command,
+    train_command,
+)
 
 STEPS = ["run.steps=6", "checkpoint.save_every=1", "checkpoint.keep_last=10"]
 
@@ -50,8 +58,14 @@ def reference_run(tmp_path_factory, trained_tiny):
 
 
 def _ranks(run_dir, trained_tiny):
-    return torchrun_command(default_config_path(), 2, f"run.output_dir={run_dir}", "logging.progress_bar=false",
-                            "logging.tensorboard=false", *_steps(trained_tiny))
+    return torchrun_command(
+        default_config_path(),
+        2,
+        f"run.output_dir={run_dir}",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        *_steps(trained_tiny),
+    )
 
 
 @pytest.mark.slow

@@ -39,15 +39,27 @@ class _ScriptedVerdicts:
 
 
 def _collect(tmp_path, lengths, verdicts, *overrides):
-    cfg = load_train_config(None, [
-        f"run.output_dir={tmp_path}", "batch.prompts_per_step=2", "batch.prompts_per_minibatch=2",
-        "batch.group_size=2", "batch.max_new_tokens=4", *overrides,
-    ])
+    cfg = load_train_config(
+        None,
+        [
+            f"run.output_dir={tmp_path}",
+            "batch.prompts_per_step=2",
+            "batch.prompts_per_minibatch=2",
+            "batch.group_size=2",
+            "batch.max_new_tokens=4",
+            *overrides,
+        ],
+    )
     tokenizer = synthetic_tokenizer(cfg.data.synthetic_distractors)
     dataset = build_prompt_dataset(cfg.data, tokenizer)
     collector = RolloutCollector(
-        _ScriptedEngine(lengths), _ScriptedVerdicts(verdicts), tokenizer, dataset,
-        PromptSampler(len(dataset), seed=0), cfg, [1],
+        _ScriptedEngine(lengths),
+        _ScriptedVerdicts(verdicts),
+        tokenizer,
+        dataset,
+        PromptSampler(len(dataset), seed=0),
+        cfg,
+        [1],
     )
     batch, metrics = collector.collect(1, lambda phase: contextlib.nullcontext())
     return cfg, batch, metrics
@@ -76,10 +88,19 @@ def test_the_learning_rate_schedule_counts_training_steps(tmp_path):
     decay reaches min_lr at step 20 (not at step 5)."""
     from stapo_megatron.trainer.trainer import build_scheduler
 
-    cfg = load_train_config(None, [
-        f"run.output_dir={tmp_path}", "run.steps=20", "batch.prompts_per_step=64", "batch.prompts_per_minibatch=16",
-        "optim.lr=1e-3", "optim.min_lr=1e-5", "optim.warmup_steps=8", "optim.schedule=cosine",
-    ])
+    cfg = load_train_config(
+        None,
+        [
+            f"run.output_dir={tmp_path}",
+            "run.steps=20",
+            "batch.prompts_per_step=64",
+            "batch.prompts_per_minibatch=16",
+            "optim.lr=1e-3",
+            "optim.min_lr=1e-5",
+            "optim.warmup_steps=8",
+            "optim.schedule=cosine",
+        ],
+    )
     assert cfg.batch.minibatches_per_step == 4
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
     scheduler = build_scheduler(optimizer, cfg, report=False)
@@ -101,11 +122,19 @@ def test_a_run_steps_the_schedule_once_per_training_step(tmp_path):
     engine's log-probs into the loss (masked importance sampling on) and logs the mismatch split."""
     from tests.trainer.runs import metrics, run, train_command
 
-    run(train_command(
-        tmp_path / "run", "run.steps=3", "batch.prompts_per_step=16", "batch.prompts_per_minibatch=4",
-        "batch.group_size=4", "optim.lr=1e-3", "optim.warmup_steps=4", "checkpoint.save_every=0",
-        "algo.rollout_correction=mis_token",
-    ))
+    run(
+        train_command(
+            tmp_path / "run",
+            "run.steps=3",
+            "batch.prompts_per_step=16",
+            "batch.prompts_per_minibatch=4",
+            "batch.group_size=4",
+            "optim.lr=1e-3",
+            "optim.warmup_steps=4",
+            "checkpoint.save_every=0",
+            "algo.rollout_correction=mis_token",
+        )
+    )
     rows = metrics(tmp_path / "run")
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert [row["optim/optimizer_steps"] for row in rows] == [4.0, 8.0, 12.0]

@@ -27,14 +27,17 @@ def test_the_controller_resumes_its_sampler_writes_rows_and_closes_everything_it
 
     cfg = _config(tmp_path)
     tokenizer = synthetic_tokenizer(cfg.data.synthetic_distractors)
-    reference = PromptSampler(len(build_prompt_dataset(cfg.data, tokenizer)), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    reference = PromptSampler(
+        len(build_prompt_dataset(cfg.data, tokenizer)), seed=cfg.data.seed, shuffle=cfg.data.shuffle
+    )
     reference.next_indices(5)  # where a checkpoint of step 2 left the sampler
     run_dir = cfg.run.directory
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.25}\n{"step": 3, "reward/mean": 0.75}\n')
 
-    controller = RolloutController.build(cfg, tokenizer, cfg.model, torch.device("cpu"), None, [1],
-                                         progress={"sampler": reference.state_dict()}, step=2)
+    controller = RolloutController.build(
+        cfg, tokenizer, cfg.model, torch.device("cpu"), None, [1], progress={"sampler": reference.state_dict()}, step=2
+    )
     try:
         assert (run_dir / RESOLVED_CONFIG).is_file()
         assert controller.evaluator is None  # eval.every=0
@@ -44,7 +47,10 @@ def test_the_controller_resumes_its_sampler_writes_rows_and_closes_everything_it
 
         controller.log(3, {"reward/mean": 0.5, "time/step": 1.5})
         # the logger resumed at step 2: the old row of step 3 is gone, the new one follows step 1
-        assert read_metrics(run_dir) == [{"step": 1, "reward/mean": 0.25}, {"step": 3, "reward/mean": 0.5, "time/step": 1.5}]
+        assert read_metrics(run_dir) == [
+            {"step": 1, "reward/mean": 0.25},
+            {"step": 3, "reward/mean": 0.5, "time/step": 1.5},
+        ]
 
         assert not controller.stop_file_present()
         (run_dir / STOP_FILE).touch()
@@ -76,11 +82,16 @@ def test_only_the_controller_rank_reaches_the_rollout_side(tmp_path):
     (its STOP file check, the engine, the sampler are rank 0's)."""
     (tmp_path / STOP_FILE).touch()
     engine = _Recorder()
-    controller = RolloutController(SimpleNamespace(engine=engine, sampler=PromptSampler(10, seed=3)), None, None, tmp_path)
+    controller = RolloutController(
+        SimpleNamespace(engine=engine, sampler=PromptSampler(10, seed=3)), None, None, tmp_path
+    )
 
     def trainer(rank_controller):
-        holder = SimpleNamespace(controller=rank_controller, stop_requested=False,
-                                 ctx=SimpleNamespace(any_rank=lambda requested: requested or True))
+        holder = SimpleNamespace(
+            controller=rank_controller,
+            stop_requested=False,
+            ctx=SimpleNamespace(any_rank=lambda requested: requested or True),
+        )
         holder._on_controller = lambda action, default=None: Trainer._on_controller(holder, action, default)
         return holder
 

@@ -47,10 +47,18 @@ class _Verdicts:
 
 
 def _collect(tmp_path, rounds, *overrides, step=3):
-    cfg = load_train_config(None, [
-        f"run.output_dir={tmp_path}", "run.seed=11", "batch.prompts_per_step=2", "batch.prompts_per_minibatch=2",
-        f"batch.group_size={GROUP}", "batch.max_new_tokens=4", *overrides,
-    ])
+    cfg = load_train_config(
+        None,
+        [
+            f"run.output_dir={tmp_path}",
+            "run.seed=11",
+            "batch.prompts_per_step=2",
+            "batch.prompts_per_minibatch=2",
+            f"batch.group_size={GROUP}",
+            "batch.max_new_tokens=4",
+            *overrides,
+        ],
+    )
     tokenizer = build_tokenizer(cfg)
     dataset = build_prompt_dataset(cfg.data, tokenizer)
     engine, verdicts = _Engine(), _Verdicts(rounds)

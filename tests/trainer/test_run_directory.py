@@ -123,10 +123,14 @@ def test_a_rank_and_what_it_started_end_with_the_launcher_and_the_checkpoint_que
 
     launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     # Started together: their imports overlap. The second one's "launcher" is this test.
-    ranks = [subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, str(pid)], stdout=subprocess.PIPE, text=True)
-             for pid in (launcher.pid, os.getpid())]
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, str(pid)], stdout=subprocess.PIPE, text=True)
+        for pid in (launcher.pid, os.getpid())
+    ]
     try:
-        (manager, child), (lone_manager, _) = [map(psutil.Process, map(int, r.stdout.readline().split())) for r in ranks]
+        (manager, child), (lone_manager, _) = [
+            map(psutil.Process, map(int, r.stdout.readline().split())) for r in ranks
+        ]
         # The checkpoint queue's manager does not inherit the rank's SIGTERM handler...
         manager.terminate()
         assert _ends(manager)
@@ -355,7 +359,11 @@ def test_a_full_disk_deep_inside_a_library_is_recognised():
     "argv, overrides, resume",
     [
         (["train", "a.b=1", "--no-resume", "c.d=2"], ["a.b=1", "c.d=2"], "never"),
-        (["train", "--resume", "a.b=1", "--config", "x.yaml", "c.d=2", "e.f=3"], ["a.b=1", "c.d=2", "e.f=3"], "required"),
+        (
+            ["train", "--resume", "a.b=1", "--config", "x.yaml", "c.d=2", "e.f=3"],
+            ["a.b=1", "c.d=2", "e.f=3"],
+            "required",
+        ),
         (["train", "a.b=1", "c.d=2", "--overwrite"], ["a.b=1", "c.d=2"], None),
     ],
 )
@@ -385,7 +393,9 @@ def test_a_learning_rate_changed_on_resume_takes_effect(tmp_path, capsys):
 
     def optimizer(lr):
         # Megatron's optimizer groups carry their peak and final rates, restored from a checkpoint.
-        return torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.zeros(2))], "max_lr": lr, "min_lr": 1e-5}], lr=lr)
+        return torch.optim.AdamW(
+            [{"params": [torch.nn.Parameter(torch.zeros(2))], "max_lr": lr, "min_lr": 1e-5}], lr=lr
+        )
 
     schedule = ["optim.warmup_steps=2", "optim.schedule=cosine", "run.steps=10", "optim.min_lr=1e-5"]
     old_cfg = _config(tmp_path, "optim.lr=1e-3", *schedule)
@@ -478,7 +488,9 @@ def test_the_run_directory_across_runs(tmp_path):
     from tests.trainer.runs import metrics, start_session, train_command
 
     run_dir = tmp_path / "run"
-    first = start_session(train_command(run_dir, "run.steps=10000", "checkpoint.save_every=1", "checkpoint.keep_last=2"))
+    first = start_session(
+        train_command(run_dir, "run.steps=10000", "checkpoint.save_every=1", "checkpoint.keep_last=2")
+    )
     try:
         _wait_for_rows(first, run_dir, 2)
         launched = psutil.Process(first.pid).children(recursive=True)
@@ -563,7 +575,9 @@ def test_a_second_ctrl_c_stops_a_single_process_run_with_130(tmp_path):
 
     run_dir = tmp_path / "run"
     # Long steps (64 responses per prompt): the second Ctrl-C comes well before the step ends.
-    process = start_session(train_command(run_dir, "run.steps=10000", "parallel.tensor_parallel=1", "batch.group_size=64"))
+    process = start_session(
+        train_command(run_dir, "run.steps=10000", "parallel.tensor_parallel=1", "batch.group_size=64")
+    )
     try:
         _wait_for_rows(process, run_dir, 1)
         process.send_signal(signal.SIGINT)

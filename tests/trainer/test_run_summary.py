@@ -27,8 +27,10 @@ def _checkpoint(run_dir, step: int, damaged: bool = False):
 
 def _run(tmp_path, steps: int = 5):
     cfg = load_train_config(None, [f"run.output_dir={tmp_path / 'run'}", f"run.steps={steps}"])
-    rows = [{"step": s, "reward/accuracy": s / 10, "policy/entropy": 2.0 - s / 10, "s2t/masked_fraction": 0.01}
-            for s in range(1, steps + 1)]
+    rows = [
+        {"step": s, "reward/accuracy": s / 10, "policy/entropy": 2.0 - s / 10, "s2t/masked_fraction": 0.01}
+        for s in range(1, steps + 1)
+    ]
     cfg.run.directory.mkdir(parents=True)
     (cfg.run.directory / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     (cfg.run.directory / "spurious").mkdir()
@@ -45,8 +47,10 @@ def test_the_newest_intact_checkpoint_passes_over_damaged_ones(tmp_path):
     newest, skipped = newest_intact_checkpoint(run_dir)
     assert newest == older
     assert skipped[0] == f"{run_dir}/checkpoints/iter_0000007: not a complete stapo checkpoint (no {COMPLETE_MARKER})"
-    assert skipped[1] == (f"{run_dir}/checkpoints/iter_0000005/__0_0.distcp: 999 bytes, "
-                          "but the checkpoint recorded 1000 (truncated or replaced)")
+    assert skipped[1] == (
+        f"{run_dir}/checkpoints/iter_0000005/__0_0.distcp: 999 bytes, "
+        "but the checkpoint recorded 1000 (truncated or replaced)"
+    )
 
 
 def test_convert_given_a_run_directory_names_its_newest_intact_checkpoint(tmp_path, capsys):

@@ -43,7 +43,13 @@ def test_nested_phases_count_each_second_once_and_add_up_to_the_step(clock):
             clock.advance(2.0)
     assert timer.stop() == 20.75
     row = timer.metrics()
-    assert row == {"time/rollout": 11.25, "time/reward": 3.0, "time/update": 4.0, "time/statistics": 2.0, "time/step": 20.75}
+    assert row == {
+        "time/rollout": 11.25,
+        "time/reward": 3.0,
+        "time/update": 4.0,
+        "time/statistics": 2.0,
+        "time/step": 20.75,
+    }
     assert sum(v for k, v in row.items() if k != "time/step") == 20.25  # only the 0.5 s outside every phase is left out
 
 

@@ -14,14 +14,28 @@ from tests.trainer.runs import metrics, run, train_command
 
 # Every metric the trainer logs each step (the list, by the names it is logged under).
 STEP_METRICS = [
-    "reward/mean", "reward/accuracy",
-    "response/length_mean", "response/length_max", "response/clipped_fraction",
+    "reward/mean",
+    "reward/accuracy",
+    "response/length_mean",
+    "response/length_max",
+    "response/clipped_fraction",
     "policy/entropy",
-    "s2t/masked_fraction", "s2t/candidates", "s2t/tau_h",
-    "policy/clip_low_fraction", "policy/clip_high_fraction",
-    "optim/grad_norm", "optim/lr",
-    "mismatch/logprob_abs_mean", "mismatch/logprob_abs_max",
-    "time/rollout", "time/reward", "time/statistics", "time/update", "time/sync", "time/broadcast", "time/logging",
+    "s2t/masked_fraction",
+    "s2t/candidates",
+    "s2t/tau_h",
+    "policy/clip_low_fraction",
+    "policy/clip_high_fraction",
+    "optim/grad_norm",
+    "optim/lr",
+    "mismatch/logprob_abs_mean",
+    "mismatch/logprob_abs_max",
+    "time/rollout",
+    "time/reward",
+    "time/statistics",
+    "time/update",
+    "time/sync",
+    "time/broadcast",
+    "time/logging",
     "time/step",
     "throughput/tokens_per_s",
 ]
@@ -34,7 +48,11 @@ def mean(values):
 @pytest.mark.slow
 def test_tiny_tp2_run_learns_and_logs_every_metric(tmp_path):
     run_dir = tmp_path / "tp2"
-    run(train_command(run_dir, "run.steps=30", "logging.tensorboard=true", "logging.inspect_every=10", "algo.tau_p=0.05"))
+    run(
+        train_command(
+            run_dir, "run.steps=30", "logging.tensorboard=true", "logging.inspect_every=10", "algo.tau_p=0.05"
+        )
+    )
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 31))
     for row in rows:
@@ -51,28 +69,46 @@ def test_tiny_tp2_run_learns_and_logs_every_metric(tmp_path):
     assert any(r["s2t/candidates"] > 0 for r in rows)
     assert (run_dir / "tensorboard").is_dir() and any((run_dir / "tensorboard").iterdir())
     assert sorted(p.name for p in (run_dir / "spurious").glob("*.jsonl")) == [
-        "step_0000010.jsonl", "step_0000020.jsonl", "step_0000030.jsonl"
+        "step_0000010.jsonl",
+        "step_0000020.jsonl",
+        "step_0000030.jsonl",
     ]
     # Run-end checkpoint, and the tools that read a run directory.
     assert (run_dir / "checkpoints" / "iter_0000030" / "stapo_complete.json").is_file()
-    plot = subprocess.run([sys.executable, "-m", "stapo_megatron.cli", "plot", str(run_dir)], capture_output=True, text=True)
+    plot = subprocess.run(
+        [sys.executable, "-m", "stapo_megatron.cli", "plot", str(run_dir)], capture_output=True, text=True
+    )
     assert plot.returncode == 0, plot.stderr
     assert (run_dir / "curves.png").stat().st_size > 10_000
-    inspect = subprocess.run([sys.executable, "-m", "stapo_megatron.cli", "inspect", str(run_dir)], capture_output=True, text=True)
+    inspect = subprocess.run(
+        [sys.executable, "-m", "stapo_megatron.cli", "inspect", str(run_dir)], capture_output=True, text=True
+    )
     assert inspect.returncode == 0, inspect.stderr
     # The dumps hold exactly the tokens the update silenced at those steps, and there are some.
-    dumped = [json.loads(line) for step in (10, 20, 30)
-              for line in (run_dir / "spurious" / f"step_{step:07d}.jsonl").read_text().splitlines()]
+    dumped = [
+        json.loads(line)
+        for step in (10, 20, 30)
+        for line in (run_dir / "spurious" / f"step_{step:07d}.jsonl").read_text().splitlines()
+    ]
     assert len(dumped) == sum(rows[step - 1]["s2t/silenced_tokens"] for step in (10, 20, 30)) > 0
     steps = sorted({entry["step"] for entry in dumped})
-    assert inspect.stdout.startswith(f"{len(dumped)} silenced tokens in {len(steps)} dumps (steps {steps[0]}..{steps[-1]}), ")
+    assert inspect.stdout.startswith(
+        f"{len(dumped)} silenced tokens in {len(steps)} dumps (steps {steps[0]}..{steps[-1]}), "
+    )
 
 
 @pytest.mark.slow
 def test_tiny_pp2_run_trains_through_the_pipeline_schedule(tmp_path):
     run_dir = tmp_path / "pp2"
-    run(train_command(run_dir, "run.steps=8", "parallel.tensor_parallel=1", "parallel.pipeline_parallel=2",
-                      "batch.max_tokens_per_microbatch=2560"))
+    run(
+        train_command(
+            run_dir,
+            "run.steps=8",
+            "parallel.tensor_parallel=1",
+            "parallel.pipeline_parallel=2",
+            "batch.max_tokens_per_microbatch=2560",
+        )
+    )
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 9))
     for row in rows:
@@ -83,7 +119,12 @@ def test_tiny_pp2_run_trains_through_the_pipeline_schedule(tmp_path):
 
 
 # The free-words variant of the synthetic task (configs/tiny_cpu.yaml names it).
-FREE_WORDS = ["data.synthetic_distractors=241", "model.vocab_size=256", "reward.kind=free_words", "batch.max_new_tokens=2"]
+FREE_WORDS = [
+    "data.synthetic_distractors=241",
+    "model.vocab_size=256",
+    "reward.kind=free_words",
+    "batch.max_new_tokens=2",
+]
 
 
 @pytest.mark.slow
@@ -102,12 +143,19 @@ def test_free_words_run_exercises_s2t_and_its_checkpoint_loads_with_its_tokenize
     assert sum(r["s2t/candidates"] for r in rows) > 0
     assert sum(r["s2t/silenced_candidates"] for r in rows) > 0
     assert max(r["s2t/masked_fraction"] for r in rows) < 0.01  # the paper's regime: few tokens masked
-    inspect = subprocess.run([sys.executable, "-m", "stapo_megatron.cli", "inspect", str(run_dir)],
-                             capture_output=True, text=True)
+    inspect = subprocess.run(
+        [sys.executable, "-m", "stapo_megatron.cli", "inspect", str(run_dir)], capture_output=True, text=True
+    )
     assert inspect.returncode == 0, inspect.stderr
-    assert re.search(r"^\d+ silenced tokens in [12] dumps \(steps (20|40)\.\.40\)", inspect.stdout, re.M), inspect.stdout
+    assert re.search(r"^\d+ silenced tokens in [12] dumps \(steps (20|40)\.\.40\)", inspect.stdout, re.M), (
+        inspect.stdout
+    )
     assert "]]" in inspect.stdout.split("example contexts")[1]  # contexts around the silenced tokens
-    dumped = [json.loads(line) for path in sorted((run_dir / "spurious").glob("*.jsonl")) for line in path.read_text().splitlines()]
+    dumped = [
+        json.loads(line)
+        for path in sorted((run_dir / "spurious").glob("*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
     assert dumped and all(e["correct"] and e["advantage"] > 0 and e["probability"] < 0.002 for e in dumped)
 
     checkpoint = run_dir / "checkpoints" / "iter_0000040"
@@ -116,13 +164,40 @@ def test_free_words_run_exercises_s2t_and_its_checkpoint_loads_with_its_tokenize
     data_dir = tmp_path / "bench"
     data_dir.mkdir()
     problems = [("3 + 4 =", "7"), ("9 + 9 =", "8")]
-    (data_dir / "math500.jsonl").write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in problems))
+    (data_dir / "math500.jsonl").write_text(
+        "".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in problems)
+    )
     export, out = tmp_path / "export", tmp_path / "eval"
     done = subprocess.run(
-        [sys.executable, "-m", "stapo_megatron.cli", "eval", "--model", str(checkpoint), "--export-dir", str(export),
-         "--data-dir", str(data_dir), "--benchmarks", "math500", "--template", "raw", "--k", "2",
-         "--max-new-tokens", "3", "--reward-workers", "1", "--device", "cpu", "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "stapo_megatron.cli",
+            "eval",
+            "--model",
+            str(checkpoint),
+            "--export-dir",
+            str(export),
+            "--data-dir",
+            str(data_dir),
+            "--benchmarks",
+            "math500",
+            "--template",
+            "raw",
+            "--k",
+            "2",
+            "--max-new-tokens",
+            "3",
+            "--reward-workers",
+            "1",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     score = json.loads((out / "results.json").read_text())["benchmarks"]["math500"]

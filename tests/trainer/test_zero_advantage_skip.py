@@ -24,8 +24,15 @@ from stapo_megatron.runtime.launch import spawn_ranks
 from stapo_megatron.trainer.batch import RolloutBatch
 
 ARCH = Qwen3Config(
-    vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
+    vocab_size=200,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
 )
 GROUP = 4
 
@@ -52,14 +59,27 @@ def rollout(dynamic_sampling: bool, seed: int = 0) -> RolloutBatch:
         prompts.append(torch.randint(1, ARCH.vocab_size, (p,), generator=generator).tolist())
         responses.append(torch.randint(1, ARCH.vocab_size, (r,), generator=generator).tolist())
         logprobs.append((-4 * torch.rand(r, generator=generator)).tolist())
-    return RolloutBatch(prompts, responses, logprobs, torch.zeros(n, dtype=torch.bool), rewards.reshape(-1),
-                        correct.reshape(-1), advantages.reshape(-1), torch.arange(groups).repeat_interleave(GROUP))
+    return RolloutBatch(
+        prompts,
+        responses,
+        logprobs,
+        torch.zeros(n, dtype=torch.bool),
+        rewards.reshape(-1),
+        correct.reshape(-1),
+        advantages.reshape(-1),
+        torch.arange(groups).repeat_interleave(GROUP),
+    )
 
 
 def _cfg(skip: bool, **algo) -> SimpleNamespace:
     return SimpleNamespace(
-        batch=SimpleNamespace(minibatches_per_step=2, max_tokens_per_microbatch=160, max_tokens_per_forward=400,
-                              skip_zero_advantage=skip, temperature=1.0),
+        batch=SimpleNamespace(
+            minibatches_per_step=2,
+            max_tokens_per_microbatch=160,
+            max_tokens_per_forward=400,
+            skip_zero_advantage=skip,
+            temperature=1.0,
+        ),
         compute=SimpleNamespace(logits_chunk_size=64),
         parallel=SimpleNamespace(sequence_parallel=False),
         algo=AlgoConfig(**algo),
@@ -75,12 +95,21 @@ def _updater(ctx, weights, cfg):
 
     model = build_stage(ARCH, calculate_per_token_loss=True)
     model.load_state_dict(weights)
-    ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False))
+    ddp = DistributedDataParallel(
+        config=model.config,
+        module=model,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        ),
+    )
     model.config.finalize_model_grads_func = finalize_model_grads
     model.config.no_sync_func = ddp.no_sync
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0, params_dtype=torch.float32,
-                                                       use_distributed_optimizer=False), [ddp])
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=1e-3, clip_grad=0.0, params_dtype=torch.float32, use_distributed_optimizer=False
+        ),
+        [ddp],
+    )
     return ddp, PolicyUpdater(ddp, optimizer, cfg, ARCH, ctx)
 
 
@@ -139,7 +168,9 @@ def test_leaving_out_zero_advantage_sequences_gives_the_same_update(results, cas
         row = rank[case]
         skipped, full = row["skipped_fraction"]
         assert full == 0.0
-        expected = {"no_dynamic_sampling": 5 * GROUP / 48, "dynamic_sampling": 2 / 48, "seq_mean_tis": 5 * GROUP / 48}[case]
+        expected = {"no_dynamic_sampling": 5 * GROUP / 48, "dynamic_sampling": 2 / 48, "seq_mean_tis": 5 * GROUP / 48}[
+            case
+        ]
         assert skipped == pytest.approx(expected)
         assert row["grad_rel"] <= 1e-6, row
         assert row["param_max_diff"] <= 1e-6 and row["param_moved"] > 1e-4, row

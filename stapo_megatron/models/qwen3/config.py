@@ -50,7 +50,7 @@ class Qwen3Config:
             )
 
     @classmethod
-    def from_hf_dict(cls, hf: dict, source: str = "config.json") -> "Qwen3Config":
+    def from_hf_dict(cls, hf: dict, source: str = "config.json") -> Qwen3Config:
         model_type = hf.get("model_type")
         architectures = hf.get("architectures") or ["Qwen3ForCausalLM"]
         if model_type != "qwen3" or "Qwen3ForCausalLM" not in architectures:
@@ -93,7 +93,7 @@ class Qwen3Config:
             raise ConfigError(f"{source}: malformed architecture field ({err})") from None
 
     @classmethod
-    def from_hf(cls, path: str | os.PathLike) -> "Qwen3Config":
+    def from_hf(cls, path: str | os.PathLike) -> Qwen3Config:
         """Read ``config.json`` from a Hugging Face checkpoint directory (or the file itself)."""
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path

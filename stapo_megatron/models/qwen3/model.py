@@ -17,7 +17,7 @@ from stapo_megatron.models.qwen3.config import Qwen3Config, first_and_last_stage
 VOCAB_DIVISIBLE_BY = 128
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def transformer_engine_available() -> bool:
     try:
         import transformer_engine.pytorch  # noqa: F401
@@ -46,7 +46,7 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def packed_local_attention() -> type:
     """Megatron's local (non-Transformer-Engine) attention, also for THD packed rows.
 
@@ -60,20 +60,29 @@ def packed_local_attention() -> type:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class PackedDotProductAttention(DotProductAttention):
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None):
+        def forward(
+            self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+        ):
             if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
-                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
-                                       packed_seq_params)
+                return super().forward(
+                    query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+                )
             bounds = packed_seq_params.cu_seqlens_q.tolist()
             # [t, heads, dim] slices -> [s, 1, heads, dim]; each output is [s, 1, heads * dim]
-            return torch.cat([
-                super(PackedDotProductAttention, self).forward(
-                    query[lo:hi].unsqueeze(1), key[lo:hi].unsqueeze(1), value[lo:hi].unsqueeze(1), None,
-                    attn_mask_type, attention_bias, None,
-                )
-                for lo, hi in zip(bounds[:-1], bounds[1:])
-            ])
+            return torch.cat(
+                [
+                    super(PackedDotProductAttention, self).forward(
+                        query[lo:hi].unsqueeze(1),
+                        key[lo:hi].unsqueeze(1),
+                        value[lo:hi].unsqueeze(1),
+                        None,
+                        attn_mask_type,
+                        attention_bias,
+                        None,
+                    )
+                    for lo, hi in zip(bounds[:-1], bounds[1:])
+                ]
+            )
 
     return PackedDotProductAttention
 

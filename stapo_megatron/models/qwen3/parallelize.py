@@ -27,8 +27,7 @@ def check_layout(arch: Qwen3Config, tensor_parallel: int, pipeline_parallel: int
         )
     if pipeline_parallel > arch.num_hidden_layers:
         raise ConfigError(
-            f"parallel.pipeline_parallel: {pipeline_parallel} stages is more than the "
-            f"{arch.num_hidden_layers} layers"
+            f"parallel.pipeline_parallel: {pipeline_parallel} stages is more than the {arch.num_hidden_layers} layers"
         )
 
 

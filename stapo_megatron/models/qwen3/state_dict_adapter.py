@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -102,9 +102,7 @@ def param_mappings(model: torch.nn.Module, arch: Qwen3Config, layer_offset: int)
                 raise ConfigError(f"Megatron parameter {name} has no Hugging Face Qwen3 counterpart")
             layer = layer_offset + int(match.group(1))
             hf_suffixes, layout = _LAYER_PARAMS[match.group(2)]
-            mappings.append(
-                ParamMapping(name, tuple(f"model.layers.{layer}.{s}" for s in hf_suffixes), layout)
-            )
+            mappings.append(ParamMapping(name, tuple(f"model.layers.{layer}.{s}" for s in hf_suffixes), layout))
     return mappings
 
 
@@ -160,7 +158,9 @@ def gather_dim(mapping: ParamMapping) -> int:
     return 1 if mapping.layout == "row" else 0
 
 
-def to_hf(mapping: ParamMapping, full: torch.Tensor, arch: Qwen3Config, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+def to_hf(
+    mapping: ParamMapping, full: torch.Tensor, arch: Qwen3Config, tp_size: int
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The Hugging Face tensors held by a TP-gathered Megatron parameter."""
     layout = mapping.layout
     if layout in ("replicated", "row"):
