@@ -13,17 +13,17 @@ from stapo_megatron.checkpoint.hf_io import HFCheckpoint
 from stapo_megatron.data.prompts import default_stop_token_ids
 from stapo_megatron.loss.metrics import combine_steps
 from stapo_megatron.models.qwen3.parallelize import build_stage
+from stapo_megatron.runtime import megatron_fixes
 from stapo_megatron.runtime.distributed import init_distributed
-from stapo_megatron.trainer import megatron_fixes
 from stapo_megatron.trainer.batch import RolloutBatch, broadcast_rollouts
 from stapo_megatron.trainer.checkpointing import Checkpointer
 from stapo_megatron.trainer.config import TrainConfig
+from stapo_megatron.trainer.controller import RolloutController
 from stapo_megatron.trainer.heartbeat import Heartbeat
 from stapo_megatron.trainer.inspector import SpuriousTokenDump
 from stapo_megatron.trainer.metrics import PhaseTimer
 from stapo_megatron.trainer.offload import OPTIMIZER, PARAMS, TrainerOffload
 from stapo_megatron.trainer.reference import ReferenceModel
-from stapo_megatron.trainer.rollout import RolloutController
 from stapo_megatron.trainer.update import PolicyUpdater, merge_reporter_metrics
 
 

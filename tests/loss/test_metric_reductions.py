@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import stapo_megatron.trainer.rollout  # noqa: F401  (declares the rollout metrics)
+import stapo_megatron.trainer.controller  # noqa: F401  (declares the rollout metrics)
 from stapo_megatron.loss import metrics as M
 from stapo_megatron.loss import policy_loss
 from stapo_megatron.loss.metrics import Reduction, all_reduce_metrics, combine_steps, declare, reduce_metrics

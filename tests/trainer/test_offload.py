@@ -78,8 +78,8 @@ def offload_round_trips(out_dir: str) -> None:
 
     from stapo_megatron.models.qwen3.config import Qwen3Config
     from stapo_megatron.models.qwen3.parallelize import build_stage
+    from stapo_megatron.runtime import megatron_fixes
     from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
-    from stapo_megatron.trainer import megatron_fixes
     from stapo_megatron.trainer.config import TrainConfig
     from stapo_megatron.trainer.offload import OPTIMIZER, PARAMS, TrainerOffload, _torch_optimizers
     from stapo_megatron.trainer.trainer import Trainer
@@ -257,8 +257,8 @@ def test_phases_around_generation_run_in_the_order_the_gpu_memory_needs(monkeypa
     from types import SimpleNamespace
 
     from stapo_megatron.trainer import trainer as trainer_module
+    from stapo_megatron.trainer.controller import RolloutController
     from stapo_megatron.trainer.metrics import PhaseTimer
-    from stapo_megatron.trainer.rollout import RolloutController
     from stapo_megatron.trainer.trainer import Trainer
 
     calls = []

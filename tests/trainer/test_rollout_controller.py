@@ -12,9 +12,9 @@ import pytest
 from stapo_megatron.data.prompts import build_prompt_dataset
 from stapo_megatron.data.sampler import PromptSampler
 from stapo_megatron.data.synthetic import synthetic_tokenizer
+from stapo_megatron.trainer.controller import RolloutController
 from stapo_megatron.trainer.launcher import RESOLVED_CONFIG, STOP_FILE, load_train_config
 from stapo_megatron.trainer.metrics import read_metrics
-from stapo_megatron.trainer.rollout import RolloutController
 from stapo_megatron.trainer.trainer import Trainer
 
 

@@ -14,8 +14,8 @@ from stapo_megatron.data.prompts import build_prompt_dataset
 from stapo_megatron.data.sampler import PromptSampler
 from stapo_megatron.rewards.result import RewardResult
 from stapo_megatron.rollout.engine import Completion
+from stapo_megatron.trainer.controller import RolloutCollector, step_seed
 from stapo_megatron.trainer.launcher import load_train_config
-from stapo_megatron.trainer.rollout import RolloutCollector, step_seed
 from stapo_megatron.trainer.trainer import build_tokenizer
 
 GROUP = 2
