@@ -94,7 +94,7 @@ def run(world: int, fn, *args) -> tuple[float, list[int]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="0.5,2", help="model sizes in GB (of %s)" % sorted(SHAPES))
+    parser.add_argument("--sizes", default="0.5,2", help=f"model sizes in GB (of {sorted(SHAPES)})")
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="stapo-convert-bench-"))
@@ -136,9 +136,10 @@ def main() -> None:
                 shutil.rmtree(d, ignore_errors=True)
         shutil.rmtree(hf_dir)
     print(
-        f"{'model':>8} {'layout':>9} {'direction':>13} {'seconds':>8} {'GB/s':>6} {'baseline':>9}  peak RSS per rank (GB), minus baseline, / (model/ranks + largest tensor)"
+        f"{'model':>8} {'layout':>9} {'direction':>13} {'seconds':>8} {'GB/s':>6} {'baseline':>9}  peak RSS per rank "
+        "(GB), minus baseline, / (model/ranks + largest tensor)"
     )
-    for size, nbytes, layout, direction, seconds, rate, base, peaks, share, biggest in rows:
+    for _size, nbytes, layout, direction, seconds, rate, base, peaks, share, biggest in rows:
         extra = [(p - base) / GB for p in peaks]
         ratio = [(p - base) / (share + biggest) for p in peaks]
         print(

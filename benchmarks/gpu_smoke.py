@@ -283,7 +283,8 @@ def main(argv=None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="gpu_smoke_"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(
-        f"gpu_smoke on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+        f"gpu_smoke on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch "
+        f"{torch.__version__}, "
         f"workdir {workdir}",
         flush=True,
     )

@@ -59,11 +59,6 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def _padded_vocab(vocab: int, tp: int) -> int:
-    multiple = 128 * tp  # Megatron's make_vocab_size_divisible_by=128, times TP
-    return -(-vocab // multiple) * multiple
-
-
 def _case(dtype_name, tokens, vocab, tp, chunk, repeats, methods, out_dir):
     import warnings
 
@@ -71,6 +66,7 @@ def _case(dtype_name, tokens, vocab, tp, chunk, repeats, methods, out_dir):
     import torch.distributed as dist
 
     from stapo_megatron.loss import vocab_parallel_logprob_entropy
+    from stapo_megatron.models.qwen3.config import padded_vocab_size
     from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
 
     rank = int(os.environ["RANK"])
@@ -80,7 +76,7 @@ def _case(dtype_name, tokens, vocab, tp, chunk, repeats, methods, out_dir):
 
     group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
     dtype = DTYPES[dtype_name]
-    local = _padded_vocab(vocab, tp) // tp
+    local = padded_vocab_size(vocab, tp) // tp
     gen = torch.Generator().manual_seed(1 + rank)
     logits = (torch.randn(tokens, local, generator=gen) * 2).to(dtype)
     real = max(0, min(vocab - rank * local, local))

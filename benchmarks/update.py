@@ -99,7 +99,7 @@ def rollout(prompts: int, group: int, cap: int, vocab: int, seed: int = 0):
     rng = random.Random(seed)
     n = prompts * group
     prompt_ids, response_ids, logprobs = [], [], []
-    for g in range(prompts):
+    for _ in range(prompts):
         prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(32, 96))]
         for _ in range(group):
             r = response_length(rng, cap)
@@ -362,8 +362,10 @@ def main() -> None:
     )
     for name, r in results.items():
         print(
-            f"{name:<12} {r['seconds']:>7.1f} {r['tokens_per_s']:>9.0f} {r['tokens_per_s'] / base['tokens_per_s']:>8.2f} "
-            f"{r['model_tokens']:>10} {r['padding_fraction']:>8.1%} {r['skipped_fraction']:>8.1%} {r['microbatches']:>9} "
+            f"{name:<12} {r['seconds']:>7.1f} {r['tokens_per_s']:>9.0f} "
+            f"{r['tokens_per_s'] / base['tokens_per_s']:>8.2f} "
+            f"{r['model_tokens']:>10} {r['padding_fraction']:>8.1%} {r['skipped_fraction']:>8.1%} "
+            f"{r['microbatches']:>9} "
             f"{r['peak_memory_mb']:>8.0f} {r['peak_memory_mb'] / max(base['peak_memory_mb'], 1e-9):>8.2f}"
         )
     print("where a forward pass goes (profiled statistics pass of mini-batch 1, seconds and share of its wall time):")
@@ -377,7 +379,8 @@ def main() -> None:
         print(f"{name:<12} {p['wall']:>7.2f} {parts}   largest other: {top}")
     linear, attention = flops_split(b["model_lengths"])
     print(
-        f"forward FLOPs of the batch without padding: linear layers {linear / 1e9:.1f} G, attention {attention / 1e9:.1f} G "
+        f"forward FLOPs of the batch without padding: linear layers {linear / 1e9:.1f} G, attention "
+        f"{attention / 1e9:.1f} G "
         f"({attention / (linear + attention):.0%})"
     )
     for dp in (8, 16):

@@ -7,7 +7,8 @@ import os
 import signal
 import sys
 
-from stapo_megatron.config import ConfigError
+from stapo_megatron.config.command import run_command
+from stapo_megatron.runtime import console
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,27 +17,23 @@ def build_parser() -> argparse.ArgumentParser:
     from stapo_megatron.eval import cli as eval_cli
     from stapo_megatron.experiment import cli as experiment_cli
     from stapo_megatron.launch import cli as launch_cli
-    from stapo_megatron.trainer import cli as run_tools_cli
-    from stapo_megatron.trainer import train_cli
+    from stapo_megatron.trainer import inspect_cli, plot_cli, train_cli
 
     parser = argparse.ArgumentParser(prog="stapo", description="STAPO reinforcement learning of Qwen3 on Megatron-Core")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for module in (train_cli, convert_cli, eval_cli, run_tools_cli, config_cli, launch_cli, experiment_cli):
+    for module in (train_cli, convert_cli, eval_cli, plot_cli, inspect_cli, config_cli, launch_cli, experiment_cli):
         module.register(subparsers)
     return parser
 
 
 def run(func, args) -> int:
-    """Run a command, turning configuration errors into one line and exit status 2."""
+    """Run a command: a configuration error is one line and exit status 2, an interrupt 130."""
     try:
-        func(args)
-    except ConfigError as err:
-        print(f"stapo: error: {err}", file=sys.stderr)
-        return 2
+        console.configure()  # the messages' channel (stderr); a command's product goes to stdout
+        return run_command(func, args)
     except KeyboardInterrupt:
         print("stapo: interrupted", file=sys.stderr)
         return 130
-    return 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

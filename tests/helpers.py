@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED = REPO_ROOT.parent / "shared"
+# A message of the console channel (stapo_megatron.runtime.console), as opposed to an error line or a product.
+CONSOLE_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[stapo( rank \d+)?\] ")
 
 # A Qwen3 small enough to run in seconds, with grouped-query attention (4 heads, 2 groups).
 TINY_QWEN3 = dict(

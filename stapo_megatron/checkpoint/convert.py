@@ -156,7 +156,7 @@ def megatron_to_hf_rank(
         for name, tensor in bucket.named_tensors():
             writer.write(name, tensor)
     writer.close()
-    gathered = [None] * ctx.world_size
+    gathered: list[list[tuple[str, list[str], int]]] = [[] for _ in range(ctx.world_size)]  # each rank's files
     dist.all_gather_object(gathered, writer.files, group=ctx.cpu_group)
     if ctx.rank == 0:
         finalize_shards(staging, [f for rank_files in gathered for f in rank_files])

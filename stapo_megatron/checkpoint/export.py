@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,9 @@ from stapo_megatron.models.qwen3.state_dict_adapter import (
     param_mappings,
     to_hf,
 )
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 
@@ -45,10 +49,10 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return count * dtype.itemsize
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap(model: torch.nn.Module) -> GPTModel:
     """The GPTModel inside Megatron's DDP / Float16Module wrappers."""
     while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module
+        model = cast(torch.nn.Module, model.module)  # nn.Module.__getattr__ is typed Tensor | Module
     return model
 
 
@@ -251,6 +255,7 @@ def _exchange_rows(
         if ctx.tp_rank * rows < vocab:
             dist.send(local.contiguous(), dst=owner, group=ctx.tp_group)
         return
+    assert bucket is not None, "the owner allocates its bucket before its first entry"
     target = bucket.view(bucket.layout.slots[position])
     for r in range(ctx.tp_size):
         start = r * rows
@@ -317,6 +322,7 @@ def iter_rank_buckets(
     for entry in plan:
         local = params[entry.mapping.megatron_name].detach()
         if entry.owner == ctx.tp_rank and bucket is None:
+            assert layout is not None, "plan_buckets gives every owned entry a bucket"
             bucket = FlatBucket.allocate(layout, local.device)
             if probe is not None:
                 for buffer in bucket.buffers.values():
@@ -330,9 +336,11 @@ def iter_rank_buckets(
             full = _gather_to_owner(local, entry, ctx, probe)
             if full is None:
                 continue
+            assert bucket is not None  # full is only returned to the owner, which allocated the bucket above
             position = _copy_into(bucket, position, entry, full, arch, ctx.tp_size, probe)
             del full  # the gather buffer goes before the bucket is handed out
         if entry is owned[-1]:
+            assert bucket is not None  # owned lists this rank's entries only
             yield bucket
             bucket, position = None, 0
             layout, owned = next(layouts, (None, []))

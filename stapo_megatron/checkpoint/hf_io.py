@@ -13,6 +13,7 @@ import os
 import struct
 from collections.abc import Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -113,7 +114,8 @@ class HFCheckpoint:
                 )
 
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """Rows (dim 0) or columns (dim 1) [start, stop) of a tensor; all of it if start is None."""
+        """Rows (dim 0) or columns (dim 1) [start, stop) of a tensor; all of it if start is None; stop None:
+        to the end of ``dim``."""
         entry = self._entries.get(name)
         if entry is None:
             raise ConfigError(f"{self.path}: tensor {name} is missing")
@@ -122,6 +124,8 @@ class HFCheckpoint:
         row_bytes = entry.nbytes // max(rows, 1)
         if start is None:
             start, stop, dim = 0, rows, 0
+        elif stop is None:
+            stop = rows if dim == 0 else shape[dim]
         with open(entry.file, "rb", buffering=0) as f:
             if dim == 0:
                 out = torch.empty([stop - start] + shape[1:], dtype=entry.dtype)
@@ -149,7 +153,8 @@ class _Entry:
 
 
 def _read_into(f, offset: int, out: torch.Tensor) -> None:
-    view = memoryview(out.view(-1).view(torch.uint8).numpy())
+    # numpy's stubs declare ndarray.__buffer__ for Python >= 3.12 only
+    view = memoryview(out.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
     f.seek(offset)
     done = 0
     while done < len(view):
@@ -227,7 +232,8 @@ def _read_header(path: Path) -> dict[str, _Entry]:
         if nbytes != end - begin:
             needs = nbytes if nbytes <= data_size else "more than the file holds"
             raise ConfigError(
-                f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes, but shape {shape} of {code} needs {needs}"
+                f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes, but shape {shape} of {code} needs "
+                f"{needs}"
             )
         entries[name] = _Entry(path, tuple(shape), _CODE_DTYPES[code], data_start + begin, end - begin)
         if end > begin:
@@ -270,7 +276,7 @@ class SafetensorsStreamWriter:
         self._position = 0
         self._group_index = -1
         self._left_in_group = 0
-        self._file = None
+        self._file: BinaryIO | None = None
         for k, group in enumerate(groups):
             self.files.append(
                 (f"{prefix}{k}.safetensors", [n for n, _, _ in group], sum(_nbytes(s, d) for _, s, d in group))
@@ -291,9 +297,9 @@ class SafetensorsStreamWriter:
         header["__metadata__"] = {"format": "pt"}
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # keep the data 8-byte aligned, as safetensors does
-        self._file = open(self.directory / self.files[self._group_index][0], "wb")
-        self._file.write(struct.pack("<Q", len(encoded)))
-        self._file.write(encoded)
+        file = self._file = open(self.directory / self.files[self._group_index][0], "wb")
+        file.write(struct.pack("<Q", len(encoded)))
+        file.write(encoded)
         self._left_in_group = len(group)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -311,6 +317,7 @@ class SafetensorsStreamWriter:
                 f"{list(shape)} {dtype} was planned"
             )
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        assert self._file is not None  # opened above for this tensor's group
         self._file.write(data.numpy().data)
         self._left_in_group -= 1
         self._position += 1

@@ -14,16 +14,19 @@ accepted with a warning that its integrity cannot be verified.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
 from stapo_megatron.checkpoint.dist import COMPLETE_MARKER, check_complete, cpu_group
 from stapo_megatron.config import ConfigError
+
+logger = logging.getLogger(__name__)
 
 HASH = "sha256"
 CHUNK_BYTES = 8 * 1024**2
@@ -136,6 +139,7 @@ def record_files(directory: str | os.PathLike) -> dict[str, dict] | None:
     files = list_files(directory) if _rank() == 0 else None
     if _distributed():
         files = _broadcast(files, group)
+    assert files is not None  # rank 0's listing, on every rank
     share = assign_shares(files, _world(), by_writer=True)[_rank()]
     results = _hash_share(directory, share)
     gathered = _all_gather(results, group) if _distributed() else [results]
@@ -189,7 +193,8 @@ def _inspect(directory: Path, full: bool) -> tuple[dict, list[tuple[str, int, st
     for name, entry in recorded.items():
         if present[name] != entry["size"]:
             raise ConfigError(
-                f"{directory / name}: {present[name]} bytes, but the checkpoint recorded {entry['size']} (truncated or replaced)"
+                f"{directory / name}: {present[name]} bytes, but the checkpoint recorded {entry['size']} (truncated "
+                "or replaced)"
             )
     to_hash = [(name, entry["size"], entry[HASH]) for name, entry in sorted(recorded.items())]
     if not full:
@@ -199,7 +204,7 @@ def _inspect(directory: Path, full: bool) -> tuple[dict, list[tuple[str, int, st
 
 def _warn(message: str) -> None:
     if _rank() == 0:
-        print(f"[stapo] warning: {message}", file=sys.stderr, flush=True)
+        logger.warning("%s", message)  # once: every rank verifies the same checkpoint
 
 
 def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, collective: bool = True) -> dict:
@@ -216,7 +221,8 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, collec
     together = collective and _distributed()
     group = cpu_group() if together else None
     rank, world = (_rank(), _world()) if together else (0, 1)
-    verdict = None
+    # ("ok", marker, files to hash) or ("error", message, None), decided by rank 0
+    verdict: tuple[str, Any, list[tuple[str, int, str]] | None] | None = None
     if rank == 0:
         try:
             verdict = ("ok", *_inspect(directory, full))
@@ -226,6 +232,7 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, collec
             verdict = ("error", f"{directory}: cannot be checked: {type(err).__name__}: {err}", None)
     if together:
         verdict = _broadcast(verdict, group)
+    assert verdict is not None  # rank 0's, on every rank
     status, marker, to_hash = verdict
     if status == "error":
         raise ConfigError(marker)
@@ -242,7 +249,8 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, collec
             errors[name] = result
         elif result != (sizes[name], expected[name]):
             errors[name] = (
-                f"{directory / name}: contents differ from the {HASH} recorded in {COMPLETE_MARKER} (damaged or modified)"
+                f"{directory / name}: contents differ from the {HASH} recorded in {COMPLETE_MARKER} (damaged or "
+                "modified)"
             )
     if together:
         errors = {name: message for part in _all_gather(errors, group) for name, message in part.items()}

@@ -202,7 +202,8 @@ def check_backend(directory: str | os.PathLike) -> None:
         or config.get("common_backend") != "torch"
     ):
         raise ConfigError(
-            f"{path}: not a torch_dist checkpoint (this project writes sharded_backend torch_dist, common_backend torch)"
+            f"{path}: not a torch_dist checkpoint (this project writes sharded_backend torch_dist, common_backend "
+            "torch)"
         )
 
 
@@ -219,9 +220,10 @@ class SafeFileSystemReader(FileSystemReader):
             return self._cached_metadata
         name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
         metadata = read_dcp_metadata(Path(self.path) / name)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         if rank is None:
             self._cached_metadata = metadata
         return metadata

@@ -22,6 +22,7 @@ import contextlib
 import copy
 import dataclasses
 import os
+import sys
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
@@ -123,6 +124,25 @@ def format_fields(command: CommandConfig) -> str:
     if command.note:
         lines.append(command.note)
     return "\n".join(lines)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def run_command(func: Callable[[Any], None], args: Any) -> int:
+    """``func(args)`` with a configuration error turned into one line, ``stapo: error: ...`` on
+    stderr, and exit status 2 (argparse's for a usage error); 0 when it returns."""
+    try:
+        func(args)
+    except ConfigError as err:
+        print(f"stapo: error: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def add_command_arguments(

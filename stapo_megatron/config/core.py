@@ -62,6 +62,7 @@ class Bounds:
             return f"in {low}, {high}"
         if low:
             return (">= " if low[0] == "[" else "> ") + low[1:]
+        assert high is not None, "text() of an unbounded range (callers check the bounds first)"
         return ("<= " if high[-1] == "]" else "< ") + high[:-1]
 
     def violation(self, value: float) -> str | None:
@@ -117,17 +118,18 @@ def field_default(cls: type, name: str) -> Any:
     return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
 
 
-def _preset_path(cls: type, name: str, where: str) -> Path:
+def _preset_path(kind: str, name: str, where: str) -> Path:
+    """The YAML file of preset ``name`` of ``kind`` (a section's PRESET_DIR), or a file path given as ``name``."""
     if name.endswith((".yaml", ".yml")) or os.sep in name:
         path = Path(name)
         if not path.is_file():
             raise ConfigError(f"{where}: preset file {name} does not exist")
         return path
-    preset_dir = resources.files("stapo_megatron.configs") / cls.PRESET_DIR
+    preset_dir = resources.files("stapo_megatron.configs") / kind
     path = Path(str(preset_dir / f"{name}.yaml"))
     if not path.is_file():
         known = sorted(p.stem for p in Path(str(preset_dir)).glob("*.yaml"))
-        raise ConfigError(f"{where}: unknown {cls.PRESET_DIR} preset '{name}' (known: {', '.join(known)})")
+        raise ConfigError(f"{where}: unknown {kind} preset '{name}' (known: {', '.join(known)})")
     return path
 
 
@@ -245,12 +247,13 @@ def read_yaml(path: str | os.PathLike) -> dict:
 
 def _expand_preset(cls: type, value: Any, where: str) -> Any:
     """Turn a preset reference into the mapping it names, merged with explicit fields."""
-    if not hasattr(cls, "PRESET_DIR"):
+    kind: str | None = getattr(cls, "PRESET_DIR", None)
+    if kind is None:
         return value
     if isinstance(value, str):
-        return read_yaml(_preset_path(cls, value, where))
+        return read_yaml(_preset_path(kind, value, where))
     if isinstance(value, Mapping) and PRESET_KEY in value:
-        merged = read_yaml(_preset_path(cls, str(value[PRESET_KEY]), f"{where}.{PRESET_KEY}"))
+        merged = read_yaml(_preset_path(kind, str(value[PRESET_KEY]), f"{where}.{PRESET_KEY}"))
         merged.update({k: v for k, v in value.items() if k != PRESET_KEY})
         return merged
     return value
@@ -289,7 +292,7 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         if value not in args:
             raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, args))}")
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return build(tp, value, where)
     if origin in (list, tuple):
         if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
@@ -491,7 +494,7 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             rows.extend(describe(tp, f"{prefix}{f.name}."))
             continue
         if f.default is not dataclasses.MISSING:

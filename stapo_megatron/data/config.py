@@ -64,7 +64,7 @@ class DataConfig:
     )
     synthetic_distractors: int = option(
         241,
-        "free words w0, w1, ... of the synthetic task's tokenizer, which a response may carry before its "
+        "free words w0, w1, ... of the synthetic task's tokenizer, which a response may carry after its "
         "answer (241 makes a vocabulary of 256)",
         ge=0,
         le=MAX_DISTRACTORS,

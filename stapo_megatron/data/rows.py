@@ -53,6 +53,7 @@ def detect_schema(
 ) -> RowSchema:
     """The schema of a source, from its first row; explicit (non-"auto") choices are kept."""
     reward_model = row.get("reward_model")
+    guess: tuple[str | None, str | None, str]  # (problem field, answer field, answer format); None: unknown
     if isinstance(reward_model, Mapping) and "ground_truth" in reward_model:  # verl
         guess = ("prompt", "reward_model.ground_truth", "plain")
     elif "final_answer" in row:
@@ -160,9 +161,10 @@ def _answer_text(value: Any, schema: RowSchema) -> str:
     elif fmt == "boxed":
         if not isinstance(value, str):
             raise BadRow("unusable_answer", f"field '{field}' is {type(value).__name__}, expected text")
-        answer = extract_boxed(value)
-        if answer is None:
+        boxed = extract_boxed(value)
+        if boxed is None:
             raise BadRow("unusable_answer", f"field '{field}' has no complete \\boxed{{}}")
+        answer = boxed
     elif fmt == "gsm8k":
         if not isinstance(value, str) or "####" not in value:
             raise BadRow("unusable_answer", f"field '{field}' has no '####' answer line")

@@ -1,11 +1,14 @@
 """The synthetic task for CPU runs, and its tokenizer (real Hugging Face tokenizer files).
 
 Prompts are ``BOS a + b =`` for single digits a and b; the answer is ``(a + b) mod 10``. A
-response may carry free words before its answer: ``w17 w203 7`` then EOS. It is scored by the
-``free_words`` reward: every word before the last must be a free word, and the last word (EOS
-removed) must be the answer digit. The free words decide nothing, yet every one of them inherits
-the response's reward, as the reasoning tokens of a math response do; once the policy is sharp,
-the rare ones that land in correct responses are what STAPO's S2T rule silences.
+response may carry free words after its answer: ``7 w3 w8`` then EOS. It is scored by the
+``free_words`` reward: the first word must be the answer digit and every word after it a free
+word. The free words decide nothing, yet every one of them inherits the response's reward, as the
+filler tokens of a math response do; once the policy is sharp, the rare ones that land in correct
+responses are what STAPO's S2T rule silences. (Free words before the answer move the answer's
+position from response to response, and a from-scratch model then stays for hundreds of steps
+on one constant digit, 0.1 accuracy; after it, the answer is the first token, learnt as fast as
+the free-word-less task.)
 
 The vocabulary: three special tokens, the ten digits, ``+``, ``=``, and ``free_tokens`` words
 ``w0`` ... ``wN``. Its size matters to S2T: a from-scratch model starts near uniform over the

@@ -8,6 +8,7 @@ carry the same names as ``stapo eval``'s results.json (``eval/aime24/avg@32``, .
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ from stapo_megatron.eval.runner import (
 )
 from stapo_megatron.rewards import RewardConfig
 from stapo_megatron.rollout.engine import RolloutEngine
+
+logger = logging.getLogger(__name__)
 
 
 def step_directory(run_dir: str | Path, step: int) -> Path:
@@ -73,12 +76,8 @@ class Evaluator:
         settings = {**self.settings, "model": f"{Path(run_dir).resolve()} step {step}"}
         # A directory left by an earlier, interrupted attempt at this step came from weights that a
         # resumed run cannot promise to reproduce: sample it afresh.
+        logger.info("eval step %d: sampling into %s", step, directory)
         with EvalRun(directory, self.tasks, self.sampling, settings, fresh=True) as run:
-            run.generate(
-                self.engine,
-                self.tokenizer,
-                self.reward_cfg,
-                log=lambda text: print(f"[stapo] eval step {step}: {text}", flush=True),
-            )
+            run.generate(self.engine, self.tokenizer, self.reward_cfg)
             results = run.results(model=f"{Path(run_dir).name} step {step}", decoding=self.decoding)
         return dict(results["metrics"])

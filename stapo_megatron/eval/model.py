@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import shutil
 import tempfile
@@ -25,6 +26,8 @@ from stapo_megatron.models.qwen3.config import Qwen3Config
 from stapo_megatron.models.qwen3.state_dict_adapter import hf_tensor_shapes
 from stapo_megatron.rollout.config import RolloutConfig
 from stapo_megatron.rollout.engine import RolloutEngine
+
+logger = logging.getLogger(__name__)
 
 EXPORT_MARKER = "stapo_export_source.json"
 # Either spelling of a Qwen tokenizer's vocabulary; without one, no tokenizer can be built.
@@ -129,7 +132,7 @@ class HFExport:
             "tokenizer": str(self.source.tokenizer_dir.resolve()),
         }
 
-    def materialize(self, log=None) -> Path:
+    def materialize(self) -> Path:
         """Export the checkpoint unless an export of the same checkpoint is already there."""
         if self.source.kind == "hf":
             return self.hf_dir
@@ -143,8 +146,7 @@ class HFExport:
                     return self.hf_dir
             except json.JSONDecodeError:
                 pass
-        if log:
-            log(f"exporting {self.source.path} to Hugging Face format in {self.hf_dir}")
+        logger.info("exporting %s to Hugging Face format in %s", self.source.path, self.hf_dir)
         convert_megatron_to_hf(self.source.path, self.hf_dir, tokenizer_dir=self.source.tokenizer_dir, overwrite=True)
         # Written last: an export killed half-way has no marker and is redone.
         marker.write_text(json.dumps(identity, indent=2), encoding="utf-8")

@@ -72,7 +72,7 @@ def _cell(name: str, score: dict) -> str:
 
 def markdown_table(runs: Sequence[dict]) -> str:
     """One table over ``runs`` (results dicts), columns in the registry's order (the paper's six first)."""
-    present = {name for run in runs for name in run["benchmarks"]}
+    present: set[str] = {name for run in runs for name in run["benchmarks"]}
     columns = [name for name in BENCHMARKS if name in present] + sorted(present - set(BENCHMARKS))
     header = ["Model", "Decoding", *(DISPLAY_NAMES.get(c, c) for c in columns), "Avg."]
     lines = [

@@ -8,8 +8,8 @@ directory); only then is a checkpoint exported and an engine started.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +20,7 @@ from stapo_megatron.models.qwen3.config import Qwen3Config
 
 DEFAULT_OUT_ROOT = "eval_results"
 
-
-def _log(text: str) -> None:
-    print(f"[stapo eval] {text}", file=sys.stderr, flush=True)
+logger = logging.getLogger(__name__)
 
 
 def compare(cfg: EvalCommandConfig) -> None:
@@ -111,19 +109,19 @@ def evaluate(cfg: EvalCommandConfig, names: FieldNames) -> None:
         with run:
             pending = run.pending()
             if pending:
-                _log(f"{pending} responses to sample into {out}")
-                hf_dir = export.materialize(log=_log)
+                logger.info("%d responses to sample into %s", pending, out)
+                hf_dir = export.materialize()
                 device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
                 engine = start_engine(rollout_cfg, source, hf_dir, device, out)
                 try:
-                    run.generate(engine, tokenizer, cfg.reward, log=_log)
+                    run.generate(engine, tokenizer, cfg.reward)
                 finally:
                     engine.shutdown()
             results = run.results(name, {"preset": cfg.eval.decoding, "temperature": temperature, "top_p": top_p})
     finally:
         export.cleanup()
     print(markdown_table([results]), end="")
-    _log(f"results in {out / RESULTS_FILE}")
+    logger.info("results in %s", out / RESULTS_FILE)
 
 
 def run_eval_command(cfg: EvalCommandConfig, names: FieldNames) -> None:

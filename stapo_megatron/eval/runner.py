@@ -14,7 +14,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -216,7 +216,6 @@ class EvalRun:
         engine: RolloutEngine,
         tokenizer: Any,
         reward_cfg: RewardConfig,
-        log: Callable[[str], None] | None = None,
         progress_every_s: float = 60.0,
     ) -> None:
         """Sample, score and append every missing response."""
@@ -227,12 +226,14 @@ class EvalRun:
                 todo = sum(len(self._missing(task, g)) for g in self._groups(task))
                 if not todo:
                     continue
-                if log:
-                    done = len(task.records) * task.k - todo
-                    log(
-                        f"{task.name}: {len(task.records)} problems x {task.k} samples"
-                        + (f" ({done} already written)" if done else "")
-                    )
+                done = len(task.records) * task.k - todo
+                logger.info(
+                    "%s: %d problems x %d samples%s",
+                    task.name,
+                    len(task.records),
+                    task.k,
+                    f" ({done} already written)" if done else "",
+                )
                 started = last_report = time.monotonic()
                 written = 0
                 for group in self._groups(task):
@@ -256,7 +257,7 @@ class EvalRun:
                     if pool is None:
                         pool = RewardPool.from_config(reward_cfg)
                     scores = pool.score(texts, [task.records[i].answer for i, _, _ in chosen])
-                    new = []
+                    new: list[dict[str, Any]] = []
                     for (i, sample, completion), text, score in zip(chosen, texts, scores):
                         record = task.records[i]
                         new.append(
@@ -276,17 +277,16 @@ class EvalRun:
                             }
                         )
                     self.store.append(new)
-                    for record in new:
-                        self.records[(task.name, record["uid"], record["sample"])] = {
-                            name: value for name, value in record.items() if name not in _TEXT_FIELDS
+                    for row in new:
+                        self.records[(task.name, row["uid"], row["sample"])] = {
+                            name: value for name, value in row.items() if name not in _TEXT_FIELDS
                         }
                     written += len(new)
                     now = time.monotonic()
-                    if log and written < todo and now - last_report >= progress_every_s:
+                    if written < todo and now - last_report >= progress_every_s:
                         last_report = now
-                        log(f"{task.name}: {written}/{todo} responses, {now - started:.0f} s")
-                if log:
-                    log(f"{task.name}: {written} responses in {time.monotonic() - started:.1f} s")
+                        logger.info("%s: %d/%d responses, %.0f s", task.name, written, todo, now - started)
+                logger.info("%s: %d responses in %.1f s", task.name, written, time.monotonic() - started)
         finally:
             if pool is not None:
                 pool.close()

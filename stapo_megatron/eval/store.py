@@ -12,7 +12,7 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from stapo_megatron.config import ConfigError
 
@@ -136,14 +136,14 @@ class DirectoryLock:
 
     def __init__(self, directory: str | os.PathLike):
         self.path = Path(directory) / ".lock"
-        self._file = None
+        self._file: TextIO | None = None
 
     def acquire(self) -> None:
-        self._file = open(self.path, "a+", encoding="utf-8")
+        file = self._file = open(self.path, "a+", encoding="utf-8")
         try:
-            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            self._file.close()
+            file.close()
             self._file = None
             raise ConfigError(f"{self.path.parent}: another evaluation is writing to this directory") from None
 

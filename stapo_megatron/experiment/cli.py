@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stapo_megatron.trainer.cli import positive_int
+from stapo_megatron.config.command import positive_int
 
 
 def run_entropy(args) -> None:
@@ -23,7 +23,7 @@ def register(subparsers) -> None:
         "then write <out>/comparison.md and PNG figures of entropy, accuracy, masked fraction and response length. "
         "Finished runs are not run again; unfinished ones continue from their latest checkpoint.",
     )
-    entropy.add_argument("--steps", type=positive_int, default=150, help="training steps of every run")
+    entropy.add_argument("--steps", type=positive_int, default=300, help="training steps of every run")
     entropy.add_argument("--seed", type=int, default=0, help="run.seed of every run")
     entropy.add_argument("--algos", default=",".join(ALGOS), help="comma-separated algorithm presets (configs/algo)")
     entropy.add_argument("--out", default="runs/experiment_entropy", help="experiment directory")

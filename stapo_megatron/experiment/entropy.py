@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shlex
 import signal
@@ -30,6 +31,8 @@ from stapo_megatron.trainer.inspector import read_dumps, summarize
 from stapo_megatron.trainer.launcher import default_config_path, load_train_config
 from stapo_megatron.trainer.metrics import read_metrics
 
+logger = logging.getLogger(__name__)
+
 ALGOS = ("grpo", "dapo", "entropy20", "justrl", "stapo")
 SETTINGS_FILE = "experiment.json"
 # The runs' config: a copy of --config (or of the packaged default) taken when the experiment
@@ -40,15 +43,6 @@ LOG_DIR = "logs"
 # section 3.4): the presets' 4096 is longer than a tiny task's responses, so presets with overlong
 # shaping (dapo, entropy20) get the same fifth of batch.max_new_tokens.
 OVERLONG_BUFFER_FRACTION = 4096 / 20480
-# Without --config: the free-words variant of the packaged tiny task (configs/tiny_cpu.yaml names
-# it; stapo_megatron/data/synthetic.py): up to 2 free words w0..w240 before the answer digit, a
-# 256-token vocabulary, so that S2T has rare tokens to silence (the default 16-token task has none).
-FREE_WORDS_TASK = (
-    "data.synthetic_distractors=241",
-    "model.vocab_size=256",
-    "reward.kind=free_words",
-    "batch.max_new_tokens=2",
-)
 # Overrides the experiment sets itself for every run; the options that set them instead.
 _OWN_FIELDS = {
     "algo": "--algos",
@@ -64,7 +58,7 @@ _OWN_FIELDS = {
 class EntropyExperiment:
     out: Path
     algos: tuple[str, ...] = ALGOS
-    steps: int = 150
+    steps: int = 300
     seed: int = 0
     config: str | None = None
     tensor_parallel: int = 1
@@ -105,10 +99,6 @@ class EntropyExperiment:
             return self.base_config
         return Path(self.config) if self.config else default_config_path()
 
-    def task_overrides(self) -> tuple[str, ...]:
-        """The task's overrides of the config: the free-words variant unless --config chose one."""
-        return () if self.config else FREE_WORDS_TASK
-
     def run_directory(self, algo: str) -> Path:
         return self.out / algo
 
@@ -118,7 +108,6 @@ class EntropyExperiment:
         plans = {}
         for algo in self.algos:
             overrides = [
-                *self.task_overrides(),
                 *self.overrides,
                 f"algo={algo}",
                 f"run.steps={self.steps}",
@@ -196,7 +185,7 @@ def _start(experiment: EntropyExperiment, algo: str, overrides: list[str]) -> tu
         process = subprocess.Popen(
             [*command, *overrides], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    print(f"[experiment] {algo}: started (log: {log.name})", flush=True)
+    logger.info("experiment %s: started (log: %s)", algo, log.name)
     return process, time.monotonic()
 
 
@@ -232,9 +221,7 @@ def run_experiment(experiment: EntropyExperiment) -> list[Path]:
     pending = [algo for algo in experiment.algos if not experiment.finished(algo)]
     for algo in experiment.algos:
         if algo not in pending:
-            print(
-                f"[experiment] {algo}: finished earlier ({experiment.run_directory(algo)}), not run again", flush=True
-            )
+            logger.info("experiment %s: finished earlier (%s), not run again", algo, experiment.run_directory(algo))
     running: dict[str, tuple[subprocess.Popen, float]] = {}
     failed = []
 
@@ -260,7 +247,7 @@ def run_experiment(experiment: EntropyExperiment) -> list[Path]:
                     failed.append(
                         f"{algo} (exit {process.returncode}, see {experiment.out / LOG_DIR / (algo + '.log')})"
                     )
-                print(f"[experiment] {algo}: exit {process.returncode} after {seconds:.0f} s", flush=True)
+                logger.info("experiment %s: exit %d after %.0f s", algo, process.returncode, seconds)
     finally:
         signal.signal(signal.SIGTERM, previous)
         _stop([process for process, _ in running.values()])
@@ -269,7 +256,6 @@ def run_experiment(experiment: EntropyExperiment) -> list[Path]:
             f"stapo: experiment: runs did not finish: {'; '.join(failed)}; run the same command again to continue them"
         )
     runs = [(algo, read_metrics(experiment.run_directory(algo))) for algo in experiment.algos]
-    task = " ".join(experiment.task_overrides())
     heading = [
         "# Entropy experiment: the algorithm presets on one task",
         "",
@@ -277,8 +263,9 @@ def run_experiment(experiment: EntropyExperiment) -> list[Path]:
         "",
         f"Each algorithm is a `stapo train` run of {experiment.steps} steps from seed {experiment.seed}, "
         f"tensor parallel {experiment.tensor_parallel}, {experiment.parallel} runs at a time, on `{BASE_CONFIG}` "
-        f"{'with ' + task if task else 'as given'}; presets with DAPO's "
-        f"overlong shaping use a buffer of {OVERLONG_BUFFER_FRACTION:.0%} of batch.max_new_tokens (DAPO: 4096 of 20480).",
+        "(the free-words task unless --config chose another); presets with DAPO's "
+        f"overlong shaping use a buffer of {OVERLONG_BUFFER_FRACTION:.0%} of batch.max_new_tokens (DAPO: 4096 of "
+        "20480).",
     ]
     inspected = write_inspections(experiment)
     notes = (
@@ -321,4 +308,4 @@ def run_entropy(args) -> None:
         overrides=tuple(args.overrides),
     )
     files = run_experiment(experiment)
-    print(f"[experiment] wrote {files[0]} and {', '.join(p.name for p in files[1:])}", flush=True)
+    print(f"wrote {files[0]} and {', '.join(p.name for p in files[1:])}", flush=True)

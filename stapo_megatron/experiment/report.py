@@ -8,6 +8,7 @@ does not decide them.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from stapo_megatron.config import ConfigError
@@ -82,7 +83,8 @@ def comparison_table(runs: list[tuple[str, list[dict]]], wall_seconds: dict[str,
         s = summarize_run(rows)
         wall = wall_seconds.get(name, s["step_seconds"])
         lines.append(
-            f"| {name} | {s['steps']} | {s['final_accuracy']:.3f} | {s['peak_accuracy']:.3f} | {s['entropy_start']:.3f} "
+            f"| {name} | {s['steps']} | {s['final_accuracy']:.3f} | {s['peak_accuracy']:.3f} | "
+            f"{s['entropy_start']:.3f} "
             f"| {s['entropy_end']:.3f} | {s['entropy_trend']} ({s['entropy_change']:+.0%}) | {s['masked_mean']:.3%} "
             f"| {s['masked_max']:.3%} | {s['length_end']:.2f} | {wall:.0f} |"
         )
@@ -94,7 +96,7 @@ def write_comparison(
     runs: list[tuple[str, list[dict]]],
     wall_seconds: dict[str, float],
     heading: list[str],
-    notes: list[str] = (),
+    notes: Sequence[str] = (),
 ) -> list[Path]:
     """Write the table (under the ``heading`` lines, with the ``notes`` lines last) and one
     figure per metric of :data:`FIGURES` into ``directory``; returns the files written, the table first."""

@@ -80,7 +80,7 @@ def run_status(args) -> None:
         if not rows:
             print(f"no experiments under {root}")
             return
-        for _, title, exp_id in rows[-args.last :]:
+        for *_, exp_id in rows[-args.last :]:
             print(exp_id)
         return
     status = experiment_status(args.experiment)

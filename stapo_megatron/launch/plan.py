@@ -89,28 +89,21 @@ from stapo_megatron.config import MAX_BATCH, MAX_TOKENS, ConfigError, apply_over
 from stapo_megatron.config.command import (
     CommandConfig,
     Flag,
+    FlagKind,
     add_command_arguments,
     load_command,
     register_command_config,
 )
 from stapo_megatron.config.core import field_default
-from stapo_megatron.models.qwen3.config import Qwen3Config
+from stapo_megatron.models.qwen3.config import Qwen3Config, padded_vocab_size
 
 GIB = 1 << 30
-# Megatron pads the vocabulary to a multiple of this times the tensor-parallel size
-# (stapo_megatron.models.qwen3.model.VOCAB_DIVISIBLE_BY; repeated to keep this module torch-free).
-VOCAB_DIVISIBLE_BY = 128
 # Megatron's param/grad buffer alignment with the distributed optimizer (param_and_grad_buffer.py).
 PARAM_ALIGN = 64
 BUCKET_ALIGN = 128
 
 Recompute = Literal["none", "selective", "full"]
 Kernels = Literal["te", "local"]
-
-
-def padded_vocab(vocab_size: int, tp: int) -> int:
-    multiple = VOCAB_DIVISIBLE_BY * tp
-    return -(-vocab_size // multiple) * multiple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +160,7 @@ def stage_parameters(arch: Qwen3Config, tp: int, pp: int, stage: int) -> list[Pa
     h, f, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
     q = arch.num_attention_heads * d
     k = arch.num_key_value_heads * d
-    vp = padded_vocab(arch.vocab_size, tp)
+    vp = padded_vocab_size(arch.vocab_size, tp)
     first, last = stage == 0, stage == pp - 1
     tied = arch.tie_word_embeddings
     params = []
@@ -275,7 +268,7 @@ def backward_working_set(arch: Qwen3Config, tp: int, work: Workload) -> float:
 def logits_bytes(arch: Qwen3Config, tp: int, work: Workload) -> float:
     """Peak of the loss on the last stage: logits slice + its gradient + fp32 chunk buffers."""
     e, tokens = work.param_bytes, work.seq_len * work.micro_batch
-    vp = padded_vocab(arch.vocab_size, tp) // tp
+    vp = padded_vocab_size(arch.vocab_size, tp) // tp
     v_real = -(-arch.vocab_size // tp)
     chunk = min(work.logits_chunk, tokens)
     # forward: the logits and Megatron's transposed copy of them, then the chunk buffers
@@ -499,8 +492,10 @@ def format_capacity(capacities: Iterable[RolloutCapacity], arch: Qwen3Config) ->
         lines.append(
             f"rollout {cap.placement}: {cap.servers} server(s) x TP {cap.server_tp} at mem_fraction_static "
             f"{cap.mem_fraction:g}: KV cache {cap.kv_cache_per_gpu / GIB:.1f} GiB per GPU "
-            f"({kv_bytes_per_token(arch, cap.server_tp):,} bytes per token) = {cap.tokens_per_server:,} tokens per server "
-            f"= {cap.sequences_per_server:,} sequences of {cap.max_seq_len:,} tokens per server, {cap.sequences:,} at once"
+            f"({kv_bytes_per_token(arch, cap.server_tp):,} bytes per token) = {cap.tokens_per_server:,} tokens per "
+            "server "
+            f"= {cap.sequences_per_server:,} sequences of {cap.max_seq_len:,} tokens per server, {cap.sequences:,} "
+            "at once"
         )
     return "\n".join(lines)
 
@@ -561,7 +556,8 @@ def _gib(x: float) -> str:
 
 def format_table(estimates: Iterable[Estimate]) -> str:
     head = (
-        f"{'TP':>3} {'PP':>3} {'DP':>4} {'layers':>11} {'params/GPU':>14} {'weights':>7} {'grads':>7} {'optim':>7} {'activ':>7} "
+        f"{'TP':>3} {'PP':>3} {'DP':>4} {'layers':>11} {'params/GPU':>14} {'weights':>7} {'grads':>7} {'optim':>7} "
+        f"{'activ':>7} "
         f"{'work':>7} {'logits':>7} {'sglang':>7} {'reserve':>7} {'total':>7}  fits"
     )
     lines = [head]
@@ -586,7 +582,8 @@ def format_stages(est: Estimate) -> str:
         f"TP={est.layout.tp} PP={est.layout.pp} DP={est.layout.dp}, layers per stage {est.layer_split}, "
         "GiB per GPU of each pipeline stage:",
         (
-            f"{'stage':>5} {'layers':>6} {'params':>14} {'weights':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'work':>7} "
+            f"{'stage':>5} {'layers':>6} {'params':>14} {'weights':>7} {'grads':>7} {'optim':>7} {'activ':>7} "
+            f"{'work':>7} "
             f"{'logits':>7} {'trainer':>7}"
         ),
     ]
@@ -851,32 +848,32 @@ def show_plan(cfg: PlanConfig, names, train) -> None:
     print(format_table(shown))
 
 
-FLAGS = tuple(
-    Flag(f"--{name.replace('_', '-')}", f"plan.{name}", kind=kind)
-    for name, kind in (
-        ("model", "value"),
-        ("gpus", "value"),
-        ("seq_len", "value"),
-        ("micro_batch", "value"),
-        ("sequences_per_minibatch", "value"),
-        ("recompute", "value"),
-        ("sequence_parallel", "true"),
-        ("kernels", "value"),
-        ("dtype", "value"),
-        ("gpu_memory_gb", "value"),
-        ("gpus_per_node", "value"),
-        ("colocate_fraction", "value"),
-        ("sglang_released", "true"),
-        ("offload", "true"),
-        ("server_tp", "value"),
-        ("reserve_gb", "value"),
-        ("logits_chunk", "value"),
-        ("tp", "value"),
-        ("pp", "value"),
-        ("search", "true"),
-        ("all", "true"),
-    )
-) + (Flag("--no-distributed-optimizer", "plan.distributed_optimizer", kind="false"),)
+_PLAN_FLAG_KINDS: tuple[tuple[str, FlagKind], ...] = (
+    ("model", "value"),
+    ("gpus", "value"),
+    ("seq_len", "value"),
+    ("micro_batch", "value"),
+    ("sequences_per_minibatch", "value"),
+    ("recompute", "value"),
+    ("sequence_parallel", "true"),
+    ("kernels", "value"),
+    ("dtype", "value"),
+    ("gpu_memory_gb", "value"),
+    ("gpus_per_node", "value"),
+    ("colocate_fraction", "value"),
+    ("sglang_released", "true"),
+    ("offload", "true"),
+    ("server_tp", "value"),
+    ("reserve_gb", "value"),
+    ("logits_chunk", "value"),
+    ("tp", "value"),
+    ("pp", "value"),
+    ("search", "true"),
+    ("all", "true"),
+)
+FLAGS = tuple(Flag(f"--{name.replace('_', '-')}", f"plan.{name}", kind=kind) for name, kind in _PLAN_FLAG_KINDS) + (
+    Flag("--no-distributed-optimizer", "plan.distributed_optimizer", kind="false"),
+)
 
 
 def register(subparsers) -> None:

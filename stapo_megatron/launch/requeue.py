@@ -45,11 +45,12 @@ def time_limit_seconds(text: str) -> int:
     match = _TIME.fullmatch(text)
     if not match:
         raise ConfigError(f"--time: {text!r} is not a SLURM time limit (e.g. 04:00:00 or 2-00:00:00)")
-    days, first, second, third = (int(g) if g is not None else None for g in match.groups())
+    first = int(match.group(2))  # the one group every form has
+    days, second, third = (int(g) if g is not None else None for g in match.group(1, 3, 4))
     if days is not None:  # days-hours[:minutes[:seconds]]
         return ((days * 24 + first) * 60 + (second or 0)) * 60 + (third or 0)
-    if third is not None:  # hours:minutes:seconds
-        return (first * 60 + second) * 60 + third
+    if third is not None:  # hours:minutes:seconds (the third group matches only after the second)
+        return (first * 60 + (second or 0)) * 60 + third
     return first * 60 + (second or 0)  # minutes[:seconds]
 
 
@@ -117,11 +118,13 @@ srun() {{
     fi
     local restarts=${{SLURM_RESTART_COUNT:-0}}
     if [ "$restarts" -ge {max_requeues} ]; then
-        echo "stapo: the run is not complete (step exit $code, stopped for time: $stapo_stopping) and the job was requeued $restarts time(s), the most --max-requeues allows"
+        echo "stapo: the run is not complete (step exit $code, stopped for time: $stapo_stopping) and the job" \\
+            "was requeued $restarts time(s), the most --max-requeues allows"
         [ "$code" = 0 ] && code=75
         return "$code"
     fi
-    echo "stapo: the run is not complete (step exit $code, stopped for time: $stapo_stopping); requeue $((restarts + 1)) of at most {max_requeues}"
+    echo "stapo: the run is not complete (step exit $code, stopped for time: $stapo_stopping);" \\
+        "requeue $((restarts + 1)) of at most {max_requeues}"
     scontrol requeue "$SLURM_JOB_ID"
     return "$code"
 }}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import re
 import shlex
@@ -36,7 +37,9 @@ import yaml
 from stapo_megatron.config import MAX_BATCH, ConfigError, option, to_dict
 from stapo_megatron.config.command import (
     CommandConfig,
+    FieldNames,
     Flag,
+    FlagKind,
     add_command_arguments,
     load_command,
     load_training_config,
@@ -52,6 +55,8 @@ from stapo_megatron.launch.requeue import (
     time_limit_seconds,
 )
 from stapo_megatron.trainer.config import TrainConfig
+
+logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'stapo_megatron[launch]' (nemo-run with leptonai==0.27.3)"
 DEFAULT_TIME = "04:00:00"
@@ -226,17 +231,19 @@ def check_rollout_placement(cfg: TrainConfig, procs: Processes) -> list[str]:
         needed = sglang.base_gpu_id + sglang.num_servers * sglang.tp_size
         if needed > procs.gpus_per_node:
             raise ConfigError(
-                f"rollout.sglang: {sglang.num_servers} server(s) x tp_size {sglang.tp_size} from GPU {sglang.base_gpu_id} "
+                f"rollout.sglang: {sglang.num_servers} server(s) x tp_size {sglang.tp_size} from GPU "
+                f"{sglang.base_gpu_id} "
                 f"need GPUs 0..{needed - 1} of the first node, which has {procs.gpus_per_node} (--gpus-per-node)"
             )
         if not sglang.colocated and sglang.base_gpu_id < procs.per_node:
             raise ConfigError(
-                f"rollout.sglang.base_gpu_id: {sglang.base_gpu_id} puts servers on the trainer's GPUs 0..{procs.per_node - 1}; "
+                f"rollout.sglang.base_gpu_id: {sglang.base_gpu_id} puts servers on the trainer's GPUs "
+                f"0..{procs.per_node - 1}; "
                 f"set it to >= {procs.per_node} or set rollout.sglang.placement: colocated"
             )
     spare = procs.gpus_per_node - procs.per_node
     if spare > 0 and not (launching and not cfg.rollout.sglang.colocated):
-        notes.append(f"note: {spare} GPU(s) per node are requested but run no trainer rank and no SGLang server")
+        notes.append(f"{spare} GPU(s) per node are requested but run no trainer rank and no SGLang server")
     return notes
 
 
@@ -513,7 +520,7 @@ def _job_id(handle: str | None) -> str:
 def submit(options: SubmitOptions) -> int:
     sub = prepare(options)
     for note in sub.notes:
-        print(note, file=sys.stderr)
+        logger.warning("%s", note)
     run = import_nemo_run("stapo submit")
     if options.executor == "slurm":
         _batch_shell_run_dir(
@@ -524,7 +531,9 @@ def submit(options: SubmitOptions) -> int:
             executor, task = _slurm_executor(run, options, sub), _slurm_task(run)
         else:
             executor = run.LocalExecutor(env_vars=job_environment(options, for_shell=False))
-            task = run.Script(inline=local_script(sub, workdir_for(options)))
+            workdir = workdir_for(options)
+            assert workdir is not None  # the local executor always runs in a directory of this file system
+            task = run.Script(inline=local_script(sub, workdir))
         # the id is NeMo-Run's own scheme (<title>_<ns>), made here so stapo can print it
         exp_id = f"{sub.title}_{time.time_ns()}"
         exp = run.Experiment(
@@ -590,7 +599,7 @@ def submit_command() -> CommandConfig:
     )
 
 
-def options_from_args(args) -> tuple[SubmitOptions, object]:
+def options_from_args(args) -> tuple[SubmitOptions, FieldNames]:
     """The submission and the names of its fields as the user spelled them."""
     loaded = load_command(submit_command(), args)
     own = {f.name: getattr(loaded.cfg, f.name) for f in dataclasses.fields(SubmitConfig)}
@@ -605,7 +614,13 @@ def run_submit(args) -> None:
         raise SystemExit(code)
 
 
-_FLAG_KINDS = {"exclusive": "true", "mounts": "append", "env": "append", "dryrun": "true", "wait": "true"}
+_FLAG_KINDS: dict[str, FlagKind] = {
+    "exclusive": "true",
+    "mounts": "append",
+    "env": "append",
+    "dryrun": "true",
+    "wait": "true",
+}
 FLAGS = tuple(
     Flag(f"--{f.name.replace('_', '-')}", f"{SUBMIT_SECTION}.{f.name}", kind=_FLAG_KINDS.get(f.name, "value"))
     for f in dataclasses.fields(SubmitConfig)

@@ -1,6 +1,7 @@
 """Every knob of the RL algorithm: token rule, clipping, KL/entropy terms, aggregation, advantages.
 
-Presets in ``configs/algo/`` (stapo, grpo, dapo, entropy20, justrl, grpo_kl, clip_cov, kl_cov, gspo) set only these fields.
+Presets in ``configs/algo/`` (stapo, grpo, dapo, entropy20, justrl, grpo_kl, clip_cov, kl_cov, gspo) set only
+these fields.
 """
 
 from __future__ import annotations

@@ -153,12 +153,13 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         prob_buf = torch.empty(rows, n_real, **opts) if g_h is not None else None
         for lo in range(0, tokens, rows):
             hi = min(lo + rows, tokens)
-            w = grad[lo:hi, :n_real] if direct else work_buf[: hi - lo]
+            w = grad[lo:hi, :n_real] if work_buf is None else work_buf[: hi - lo]  # None: direct
             if g_h is None:
                 # dlogp/dz = onehot - p, p = exp(z - m - log S)
                 _shifted(x[lo:hi, :n_real], temperature, shift[lo:hi, None], out=w).exp_().mul_(-g_lp[lo:hi, None])
             else:
                 _shifted(x[lo:hi, :n_real], temperature, m[lo:hi, None], out=w)  # z - m
+                assert prob_buf is not None  # allocated when g_h is
                 p = prob_buf[: hi - lo]
                 torch.sub(w, log_s[lo:hi, None], out=p).exp_()
                 # p * (g_h (E - z) - g_lp), with E - z = e_shift - (z - m). Where p underflows to 0 the

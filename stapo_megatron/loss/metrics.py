@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -126,7 +126,7 @@ def all_reduce_metrics(
     kinds = {key: _tensor_reduction(key) for key in metrics}
     if group is None or dist.get_world_size(group) == 1:
         return dict(metrics)
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for reduction, op in _TENSOR_OPS.items():
         keys = sorted(k for k, kind in kinds.items() if kind is reduction)
         if not keys:
@@ -137,7 +137,7 @@ def all_reduce_metrics(
     return out
 
 
-def combine_steps(rows: list[Mapping[str, float]]) -> dict[str, float]:
+def combine_steps(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
     """The logged metrics of a training step from those of its optimizer steps (``rows``), each
     by its declared reduction. Non-finite values (a threshold that did not exist, logged as null)
     are left out, with their weight; a metric with no finite value is NaN. A weighted mean whose
@@ -158,11 +158,11 @@ def combine_steps(rows: list[Mapping[str, float]]) -> dict[str, float]:
         elif spec.reduction is Reduction.MEAN:
             out[key] = sum(values) / len(values)
         else:
-            if any(spec.weight not in row for row in present):
-                raise KeyError(
-                    f"metric {key!r}: its weight {spec.weight!r} is missing from an optimizer step's metrics"
-                )
-            weights = [row[spec.weight] for row in present]
+            weight = spec.weight
+            assert weight is not None  # declare() gives every WEIGHTED_MEAN its weight
+            if any(weight not in row for row in present):
+                raise KeyError(f"metric {key!r}: its weight {weight!r} is missing from an optimizer step's metrics")
+            weights = [row[weight] for row in present]
             total = sum(weights)
             out[key] = sum(v * w for v, w in zip(values, weights)) / total if total > 0 else sum(values) / len(values)
     return out

@@ -70,8 +70,8 @@ class Surrogate:
     pg: torch.Tensor  # fp32 per-token policy-gradient loss term
     ratio: torch.Tensor  # the ratio the clip reads (token r, or GSPO's s_i,t), for the metrics
     dual_clipped: torch.Tensor  # bool: A < 0 tokens whose term the dual-clip caps
-    metrics: dict  # fp64 scalar sums (reduced by SUM over micro-batches and ranks)
-    clip_range: tuple  # (eps_low, eps_high) the ratio is clipped with, for the clip metrics; (1, inf): no clip
+    metrics: dict[str, torch.Tensor]  # fp64 scalar sums (reduced by SUM over micro-batches and ranks)
+    clip_range: tuple[float, float]  # (eps_low, eps_high) of the ratio's clip, for the clip metrics; (1, inf): none
     selected: torch.Tensor | None = None  # bool: tokens the method singled out (Clip-Cov, KL-Cov)
 
 

@@ -148,6 +148,7 @@ def policy_loss(
     )
     correction = None
     if rollout_correction != "none":
+        assert rollout_logprob is not None  # checked above
         correction = correction_for(
             old_logprob,
             rollout_logprob,
@@ -190,6 +191,7 @@ def policy_loss(
         if kl_coef:
             per_token = per_token + kl_coef * ref_kl
     if entropy_coef:
+        assert entropy is not None  # checked above
         per_token = per_token - entropy_coef * torch.where(active, entropy.float(), zero)
     weighted = torch.where(active, per_token * weight, zero)
 
@@ -237,7 +239,8 @@ declare(
     Reduction.SUM,
     {
         "response_tokens": "response tokens (with the left-out zero-advantage ones, which the update adds)",
-        "kept_tokens": "tokens in the loss: kept by the token rule and the rollout correction (the token_mean denominator)",
+        "kept_tokens": "tokens in the loss: kept by the token rule and the rollout correction (the token_mean "
+        "denominator)",
         "silenced_tokens": "response tokens the token rule silenced",
         "pg_loss_sum": "sum over kept tokens of the weighted policy-gradient term",
         "clip_low_tokens": "kept tokens with A < 0 and ratio < 1 - eps_low (the clip removes their gradient)",

@@ -16,12 +16,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from fractions import Fraction
-from typing import Union
 
 import torch
 import torch.distributed as dist
 
-Number = Union[float, Fraction]
+Number = float | Fraction
 
 
 def as_fraction(q: Number) -> Fraction:
@@ -36,9 +35,9 @@ def gather_values(values: torch.Tensor, group: dist.ProcessGroup | None = None) 
         return values
     world = dist.get_world_size(group)
     count = torch.tensor([values.numel()], dtype=torch.int64, device=values.device)
-    counts = [torch.empty_like(count) for _ in range(world)]
-    dist.all_gather(counts, count, group=group)
-    counts = [int(c) for c in counts]
+    gathered_counts = [torch.empty_like(count) for _ in range(world)]
+    dist.all_gather(gathered_counts, count, group=group)
+    counts = [int(c) for c in gathered_counts]
     longest = max(counts)
     if longest == 0:
         return values

@@ -60,7 +60,8 @@ def rollout_correction(
         raise ValueError(f"rollout_correction: {mode!r} is not one of {', '.join(ROLLOUT_CORRECTIONS)}")
     if tuple(rollout_logprob.shape) != tuple(old_logprob.shape):
         raise ValueError(
-            f"rollout_logprob: shape {tuple(rollout_logprob.shape)} does not match old_logprob {tuple(old_logprob.shape)}"
+            f"rollout_logprob: shape {tuple(rollout_logprob.shape)} does not match old_logprob "
+            f"{tuple(old_logprob.shape)}"
         )
     if cap <= 1:
         raise ValueError(f"cap: must be > 1, got {cap}")

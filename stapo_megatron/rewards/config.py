@@ -8,16 +8,18 @@ from typing import Literal
 from stapo_megatron.config import MAX_TOKENS, ConfigError, option
 from stapo_megatron.config.core import check_fields
 
+RewardKind = Literal["math", "exact", "free_words"]
+
 
 @dataclasses.dataclass
 class RewardConfig:
-    kind: Literal["math", "exact", "free_words"] = option(
+    kind: RewardKind = option(
         "math",
         "math: the last \\boxed{} of the response must be mathematically equivalent to the ground truth "
         "(math-verify on a LaTeX parser that evaluates no code, in worker processes); exact: the last box, "
         "or the whole response when it has none, must equal the answer string after whitespace "
-        "normalization; free_words (the synthetic task): the response must be free words w0, w1, ... then "
-        "one last word, which must equal the answer; exact and free_words need no workers",
+        "normalization; free_words (the synthetic task): the response's first word must equal the answer and "
+        "every word after it be a free word w0, w1, ...; exact and free_words need no workers",
     )
     num_workers: int = option(2, "worker processes that verify math answers; persistent across batches", ge=1, le=1024)
     timeout_s: float = option(

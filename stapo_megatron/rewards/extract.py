@@ -60,11 +60,15 @@ def find_last_box(text: str, max_chars: int | None = None) -> AnswerSpan:
     if start < 0:
         return AnswerSpan(None, "no_box")
     after = start + length
-    arg = _SPACE.match(text, after).end()
+    space = _SPACE.match(text, after)
+    assert space is not None  # \s* matches anywhere
+    arg = space.end()
     if arg >= len(text):
         return AnswerSpan(None, "unterminated_box")
     if text[arg] != "{":
-        content = _BARE_ARGUMENT.match(text, arg).group()
+        bare = _BARE_ARGUMENT.match(text, arg)
+        assert bare is not None  # [^\s$]* matches anywhere
+        content = bare.group()
         # "... is \boxed 5." ends a sentence: the full stop is not part of the answer.
         content = content.rstrip(".,;")
         if max_chars is not None and len(content) > max_chars:
@@ -104,17 +108,17 @@ FREE_WORD = re.compile(r"w\d+")
 
 
 def free_words_answer(text: str, max_chars: int | None = None) -> AnswerSpan:
-    """The answer for the free-words reward: the response's last whitespace-separated word, when
-    every word before it is a free word (``w`` and digits); any other word before it (a digit, a
-    special token) makes the response wrong."""
+    """The answer for the free-words reward: the response's first whitespace-separated word, when
+    every word after it is a free word (``w`` and digits); any other word after it (a second
+    digit, a special token) makes the response wrong."""
     words = text.split()
     if not words:
         return AnswerSpan(None, "empty_answer")
-    if not all(FREE_WORD.fullmatch(word) for word in words[:-1]):
+    if not all(FREE_WORD.fullmatch(word) for word in words[1:]):
         return AnswerSpan(None, "wrong")
-    if max_chars is not None and len(words[-1]) > max_chars:
+    if max_chars is not None and len(words[0]) > max_chars:
         return AnswerSpan(None, "too_long")
-    return AnswerSpan(words[-1], None)
+    return AnswerSpan(words[0], None)
 
 
 def exact_answer(text: str, max_chars: int | None = None) -> AnswerSpan:

@@ -73,7 +73,7 @@ def install_code_eval_guard() -> None:
             raise CodeEvaluationBlocked(f"sympify of a string called from {caller} is blocked in reward workers")
         return original_sympify(a, *args, **kwargs)
 
-    guarded_sympify._stapo_guard = True
+    guarded_sympify._stapo_guard = True  # type: ignore[attr-defined]  # mypy does not model function attributes
     _rebind(original_sympify, guarded_sympify)
     _rebind(sympy_parser.parse_expr, _guarded("parse_expr", sympy_parser.parse_expr))
     builtins.eval = _guarded("eval", builtins.eval)

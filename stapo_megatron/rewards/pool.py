@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-from stapo_megatron.rewards.config import RewardConfig
+from stapo_megatron.rewards.config import RewardConfig, RewardKind
 from stapo_megatron.rewards.extract import exact_answer, find_last_box, free_words_answer, normalize_exact
 from stapo_megatron.rewards.result import RewardResult
 from stapo_megatron.rewards.worker import WorkerSettings
@@ -79,7 +79,7 @@ class RewardPool:
         self,
         num_workers: int = 2,
         timeout_s: float = 5.0,
-        kind: str = "math",
+        kind: RewardKind = "math",
         *,
         kill_grace_s: float = 1.0,
         max_answer_chars: int = 1000,
@@ -161,6 +161,7 @@ class RewardPool:
             if span.reason is not None:
                 results[i] = RewardResult(0.0, span.reason, None, time.perf_counter() - started)
             else:
+                assert span.answer is not None  # found whenever there is no reason
                 groups.setdefault((span.answer, answer), []).append(i)
         pairs = list(groups)
         outcomes = self._run(pairs) if pairs else []

@@ -61,7 +61,8 @@ class SGLangConfig:
     )
     load_format: str = option(
         "",
-        "--load-format of launched servers ('dummy' skips reading weights the trainer will send); '' = SGLang's default.",
+        "--load-format of launched servers ('dummy' skips reading weights the trainer will send); '' = SGLang's "
+        "default.",
     )
     enable_weights_cpu_backup: bool = option(
         False, "Launch with --enable-weights-cpu-backup so weights survive release_memory without a reload."

@@ -49,7 +49,10 @@ class LocalEngine(RolloutEngine):
         )
         # Built with transformers' own initialisation (small models only); generate() refuses to
         # sample until load_weights has replaced every parameter.
-        self.model = Qwen3ForCausalLM(hf_config).to(device=self.device, dtype=getattr(torch, self.config.dtype)).eval()
+        # transformers wraps PreTrainedModel.to in a decorator whose type hides the bound self
+        dtype = getattr(torch, self.config.dtype)
+        model = Qwen3ForCausalLM(hf_config).to(device=self.device, dtype=dtype)  # type: ignore[call-arg]
+        self.model = model.eval()
         self.model.requires_grad_(False)
         self._params = dict(self.model.named_parameters())
         self._loaded = False

@@ -131,14 +131,14 @@ class SGLangEngine(RolloutEngine):
         try:
             if endpoints is None:
                 api_key = resolve_api_key(config)
-                endpoints = (
-                    self._launch_own(api_key)
-                    if config.launches
-                    else [
+                if config.launches:
+                    assert api_key is not None  # resolve_api_key makes a secret for launched servers
+                    endpoints = self._launch_own(api_key)
+                else:
+                    endpoints = [
                         ServerEndpoint(index=i, url=url.rstrip("/"), node=-1, tp_size=config.tp_size)
                         for i, url in enumerate(config.urls)
                     ]
-                )
             self._api_key = api_key
             self._pool = ServerPool(config, endpoints, api_key)
             self._gen_pool = cf.ThreadPoolExecutor(
@@ -172,8 +172,13 @@ class SGLangEngine(RolloutEngine):
     # ------------------------------------------------------------------ public API
 
     @property
+    def _server_pool(self) -> ServerPool:
+        assert self._pool is not None, "set by __init__, which raises when it cannot make one"
+        return self._pool
+
+    @property
     def _servers(self) -> list[PooledServer]:
-        return self._pool.servers
+        return self._server_pool.servers
 
     @property
     def urls(self) -> list[str]:
@@ -186,7 +191,7 @@ class SGLangEngine(RolloutEngine):
     @property
     def routed_tokens(self) -> list[int]:
         """Per server: prompt + max_new_tokens of every request sent to it so far."""
-        return list(self._pool.balancer.routed)
+        return list(self._server_pool.balancer.routed)
 
     def server_status(self) -> list[dict[str, Any]]:
         """One dict per server: url, node, version, tp_size, recoveries, down, stale, dead, log file, and the
@@ -212,32 +217,33 @@ class SGLangEngine(RolloutEngine):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         with self._lock:
             self._check_can_generate()
-            prompts = [self._prompt_ids(p, i) for i, p in enumerate(prompts)]
-            if not prompts:
+            prompt_ids = [self._prompt_ids(p, i) for i, p in enumerate(prompts)]
+            if not prompt_ids:
                 return []
-            self._pool.revive(wait=False, weights_sent=self._weights_loaded)
+            self._server_pool.revive(wait=False, weights_sent=self._weights_loaded)
             self._wait_for_a_server()
-            chunks = self._generate_requests(prompts, params)
+            chunks = self._generate_requests(prompt_ids, params)
+            assert self._gen_pool is not None  # made by __init__ with the server pool
             futures = [
                 self._gen_pool.submit(
                     self._run_generate,
                     body,
                     count,
                     params.n,
-                    sum(len(p) + params.n * params.max_new_tokens for p in prompts[start : start + count]),
+                    sum(len(p) + params.n * params.max_new_tokens for p in prompt_ids[start : start + count]),
                 )
                 for start, count, body in chunks
             ]
-            results: list[list[Completion] | None] = [None] * len(prompts)
+            results: list[list[Completion]] = []
             try:
-                for (start, count, _), future in zip(chunks, futures):
-                    results[start : start + count] = future.result()
+                for future in futures:  # chunks are consecutive, in prompt order
+                    results.extend(future.result())
             except BaseException:
                 for future in futures:
                     future.cancel()
                 cf.wait(futures)  # let running requests settle before the error leaves generate()
                 raise
-            return results  # type: ignore[return-value]
+            return results
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
         """This process sends the whole model to every server: the single-process case of
@@ -287,8 +293,9 @@ class SGLangEngine(RolloutEngine):
             self._check_open()
             tags = self._memory_tags(tags)
             live = self._live()
-            self._pool.run_all(live, self._pool.flush)
-            self._pool.run_all(live, lambda s: self._pool.control(s, "/release_memory_occupation", {"tags": tags}))
+            pool = self._server_pool
+            pool.run_all(live, pool.flush)
+            pool.run_all(live, lambda s: pool.control(s, "/release_memory_occupation", {"tags": tags}))
             released = set(tags or MEMORY_TAGS)
             self._released |= released
             if "weights" in released and not self.config.enable_weights_cpu_backup:
@@ -302,9 +309,8 @@ class SGLangEngine(RolloutEngine):
         with self._lock:
             self._check_open()
             tags = self._memory_tags(tags)
-            self._pool.run_all(
-                self._live(), lambda s: self._pool.control(s, "/resume_memory_occupation", {"tags": tags})
-            )
+            pool = self._server_pool
+            pool.run_all(self._live(), lambda s: pool.control(s, "/resume_memory_occupation", {"tags": tags}))
             self._released -= set(tags or MEMORY_TAGS)
 
     def shutdown(self) -> None:
@@ -332,7 +338,7 @@ class SGLangEngine(RolloutEngine):
     def _probe(self, server: PooledServer) -> None:
         """Before a weight update: a server that died since the last call is taken down (and waited for)."""
         try:
-            resp = self._pool.http(server, "GET", "/health", timeout=30.0)
+            resp = self._server_pool.http(server, "GET", "/health", timeout=30.0)
             if resp.status == 200:
                 return
             reason = f"/health answered HTTP {resp.status}"
@@ -340,25 +346,25 @@ class SGLangEngine(RolloutEngine):
             reason = str(err)
         with server.lock:
             if not (server.down or server.dead):
-                self._pool._take_down_locked(server, reason)
+                self._server_pool._take_down_locked(server, reason)
 
     def _wait_for_a_server(self) -> None:
         """When every server is down, wait for them to come back (their nodes restart them)."""
-        if self._pool.usable():
+        if self._server_pool.usable():
             return
         with self._revive_lock:
-            if not self._pool.usable():
-                self._pool.revive(wait=True, weights_sent=self._weights_loaded)
-        self._pool.check_some_usable()
+            if not self._server_pool.usable():
+                self._server_pool.revive(wait=True, weights_sent=self._weights_loaded)
+        self._server_pool.check_some_usable()
 
     def _acquire(self, cost: int, tried: set[int]) -> PooledServer:
         """The least-loaded usable server, avoiding those this request already failed on when possible."""
-        usable = self._pool.usable()
+        usable = self._server_pool.usable()
         if not usable:
             self._wait_for_a_server()
-            usable = self._pool.usable()
+            usable = self._server_pool.usable()
         candidates = [s.index for s in usable if s.index not in tried] or [s.index for s in usable]
-        return self._servers[self._pool.balancer.acquire(candidates, cost)]
+        return self._servers[self._server_pool.balancer.acquire(candidates, cost)]
 
     # ------------------------------------------------------------------ generation
 
@@ -375,7 +381,7 @@ class SGLangEngine(RolloutEngine):
         if self._blocked:
             raise SGLangWeightSyncError(self._blocked)
         if all(s.dead for s in self._servers) or all(s.stale or s.dead for s in self._servers):
-            self._pool.check_some_usable()
+            self._server_pool.check_some_usable()
 
     @staticmethod
     def _prompt_ids(prompt: Sequence[int], index: int) -> list[int]:
@@ -439,7 +445,7 @@ class SGLangEngine(RolloutEngine):
             except TransportError as err:
                 last_error = str(err)
                 tried.add(server.index)
-                self._pool.on_transport_failure(server, err)
+                self._server_pool.on_transport_failure(server, err)
             else:
                 server.failures = 0
                 if resp.status == 200:
@@ -450,7 +456,7 @@ class SGLangEngine(RolloutEngine):
                     except _StaleAnswer as err:
                         last_error = str(err)
                         tried.add(server.index)
-                        self._pool.mark_stale(server, str(err))
+                        self._server_pool.mark_stale(server, str(err))
                 elif resp.status in (401, 403):
                     raise SGLangRequestError(
                         f"sglang server {server.url} rejected the API key on /generate (HTTP {resp.status})",
@@ -463,7 +469,7 @@ class SGLangEngine(RolloutEngine):
                         status=resp.status,
                     )
             finally:
-                self._pool.balancer.release(server.index, cost)
+                self._server_pool.balancer.release(server.index, cost)
             self._wait_for_a_server()  # raises when no server can take it any more (dead, or stale)
             attempts += 1
             if attempts > self.config.max_retries:
@@ -496,11 +502,11 @@ class SGLangEngine(RolloutEngine):
                     "weights are released on the servers; call resume_memory(['weights']) first"
                 )
             # Every server that can come back gets the weights: a down one is waited for.
-            self._pool.run_all([s for s in self._servers if not (s.down or s.dead)], self._probe)
-            self._pool.revive(wait=True, weights_sent=self._weights_loaded)
+            self._server_pool.run_all([s for s in self._servers if not (s.down or s.dead)], self._probe)
+            self._server_pool.revive(wait=True, weights_sent=self._weights_loaded)
             servers = [s for s in self._servers if not s.dead]
             if not servers:
-                self._pool.check_some_usable()
+                self._server_pool.check_some_usable()
             for server in servers:
                 if self._sync_mode == "distributed" and server.dp_size != 1:
                     raise SGLangWeightSyncError(

@@ -117,7 +117,9 @@ class WeightUpdateGroup:
         self.backend = backend
         self.master_address = master_address
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(master_address, port, world_size, True, self.timeout, wait_for_workers=False)
+        self.store: dist.TCPStore | None = dist.TCPStore(
+            master_address, port, world_size, True, self.timeout, wait_for_workers=False
+        )
         self.port = self.store.port
         self.pg = None
 
@@ -125,13 +127,14 @@ class WeightUpdateGroup:
         """Create rank 0's process group; blocks (gloo) until every server rank has joined too."""
         from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 
+        assert self.store is not None, "join() after destroy()"
         pg, _ = _new_process_group_helper(
             self.world_size,
             0,
             [],
             self.backend,
             PrefixStore(self.name, self.store),
-            group_name=self.name,
+            group_name=self.name,  # type: ignore[arg-type]  # torch types it as its NewType GroupName of str
             timeout=self.timeout,
         )
         # Identity rank map, as SGLang registers on its side, so torch.distributed.broadcast(src=0) resolves.

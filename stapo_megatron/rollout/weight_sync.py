@@ -74,6 +74,7 @@ from stapo_megatron.rollout.sglang_weights import (
 )
 
 logger = logging.getLogger(__name__)
+CPU = torch.device("cpu")
 
 SYNC_MODES = ("tensor", "distributed", "disk")
 CONTROLLER = 0  # global rank that pauses, checks and resumes the servers
@@ -256,8 +257,9 @@ def await_transfer(futures: Sequence[cf.Future], works: Sequence[Any], timeout_s
     delay = 0.0005
     while True:
         for future in futures:
-            if future.done() and future.exception() is not None:
-                raise future.exception()
+            error = future.exception() if future.done() else None
+            if error is not None:
+                raise error
         if all(f.done() for f in futures) and all(w.is_completed() for w in works):
             break
         if time.monotonic() > deadline:
@@ -417,7 +419,8 @@ def pack_stream(
     filled = index = 0
 
     def pack() -> FlatBucket:
-        slots, offsets = [], {}
+        slots: list[TensorSlot] = []
+        offsets: dict[torch.dtype, int] = {}
         for name, tensor in pending:
             slot = TensorSlot(name, tensor.dtype, tuple(tensor.shape), offsets.get(tensor.dtype, 0))
             offsets[tensor.dtype] = slot.offset + slot.numel
@@ -470,7 +473,7 @@ class WeightSync:
         else:
             per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
             me = RankPlace(ctx.rank, node_of(ctx.rank, per_node), ctx.dp_rank, ctx.cp_rank)
-            places: list[RankPlace | None] = [None] * ctx.world_size
+            places = [me] * ctx.world_size  # every rank's place once gathered
             dist.all_gather_object(places, me, group=ctx.cpu_group)
             self.targets = route(plan, places, me)
         self._pool = cf.ThreadPoolExecutor(
@@ -498,7 +501,7 @@ class WeightSync:
         version: int,
         *,
         names: Sequence[str] | None = None,
-        device: torch.device = torch.device("cpu"),
+        device: torch.device = CPU,
     ) -> None:
         """One process (``ctx=None``): the whole model as a stream of (HF name, full tensor) pairs, packed
         into buckets on ``device``, to every server. ``names``, when the stream's names are known up
@@ -539,6 +542,7 @@ class WeightSync:
             dist.gather_object(mine, gathered, dst=CONTROLLER, group=ctx.cpu_group)
         answer = None
         if self.rank == CONTROLLER:
+            assert gathered is not None  # the controller always gathers
             try:
                 answer = decide(gathered)
             except (SGLangError, ConfigError) as err:
@@ -546,10 +550,12 @@ class WeightSync:
         return answer if ctx is None else ctx.broadcast_object(answer, src=CONTROLLER)
 
     def _prepare(self, tallies: list[dict[int, list[str]] | None], version: int) -> Any:
-        """Controller: check the planned names (when known), pause generation, open the sessions (disk: the directory)."""
+        """Controller: check the planned names (when known), pause generation, open the sessions (disk: the
+        directory)."""
         plan, control = self.plan, self.control
-        if None not in tallies:
-            check_tallies(plan.expected_names, tallies, plan.endpoints)
+        known = [tally for tally in tallies if tally is not None]
+        if len(known) == len(tallies):
+            check_tallies(plan.expected_names, known, plan.endpoints)
         servers = list(plan.endpoints)
         self.paused = True
         control.on_all(servers, control.post, "/pause_generation", {"mode": "abort"})
@@ -646,7 +652,7 @@ def gather_to_controller(
         layouts = [
             layout for layout, _ in plan_buckets(stage_export_plan(model, arch, ctx.tp_size), ctx.tp_rank, bucket_bytes)
         ]
-    gathered = [None] * ctx.world_size if ctx.rank == CONTROLLER else None
+    gathered: list[Any] | None = [None] * ctx.world_size if ctx.rank == CONTROLLER else None  # (rank, layouts)
     dist.gather_object((ctx.rank, layouts), gathered, dst=CONTROLLER, group=ctx.cpu_group)
     if not sends:
         return
@@ -657,6 +663,7 @@ def gather_to_controller(
             for buffer in bucket.buffers.values():
                 dist.send(buffer.cpu().view(torch.uint8), dst=CONTROLLER, group=ctx.cpu_group, tag=_PAYLOAD_TAG)
         return
+    assert gathered is not None  # the controller's gather list
     remote = {rank: rank_layouts for rank, rank_layouts in gathered if rank != CONTROLLER}
     consume(_controller_stream(ctx, buckets, remote))
 
@@ -682,7 +689,7 @@ def _controller_stream(ctx, own: Iterator[FlatBucket], remote: dict[int, list]) 
                 header = torch.empty(1, dtype=torch.int64)
                 src = dist.recv(header, src=None, group=ctx.cpu_group, tag=_HEADER_TAG)
                 layout = remote[src][int(header.item())]
-                bucket = FlatBucket.allocate(layout, torch.device("cpu"))
+                bucket = FlatBucket.allocate(layout, CPU)
                 for buffer in bucket.buffers.values():
                     dist.recv(buffer.view(torch.uint8), src=src, group=ctx.cpu_group, tag=_PAYLOAD_TAG)
                 ready.put(bucket)
@@ -717,7 +724,7 @@ def sync_engine_weights(
     """
     from stapo_megatron.rollout.sglang_engine import SGLangEngine
 
-    plan = None
+    plan: WeightSyncPlan | str | None = None
     if ctx.rank == CONTROLLER and isinstance(engine, SGLangEngine):
         try:
             plan = engine.weight_sync_plan()

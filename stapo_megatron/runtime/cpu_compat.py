@@ -18,6 +18,9 @@ nothing here runs. It gives every ``megatron.core`` module (loaded now or later)
 and it makes ``tensor.type()`` report CUDA type names to Megatron's optimizer package, whose
 parameter classification is written against those names, and ``tensor.cuda()`` called from
 Megatron leave the tensor where it is.
+
+Nothing here corrects a bug of Megatron: those corrections, needed on every device, are in
+:mod:`stapo_megatron.runtime.megatron_fixes`.
 """
 
 from __future__ import annotations
@@ -180,12 +183,12 @@ def _cpu_rng_set(new_state, device=-1, graph_safe=False):
 
 
 def _patch_module(module: types.ModuleType) -> None:
+    # vars(module): the module's globals, which typing cannot name
     if getattr(module, "torch", None) is torch:
-        module.torch = _TORCH_ON_CPU
+        vars(module)["torch"] = _TORCH_ON_CPU
     if module.__name__ == "megatron.core.tensor_parallel.random":
         # These helpers reach the CUDA generator through objects imported from torch.cuda.
-        module._get_cuda_rng_state = _cpu_rng_get
-        module._set_cuda_rng_state = _cpu_rng_set
+        vars(module).update(_get_cuda_rng_state=_cpu_rng_get, _set_cuda_rng_state=_cpu_rng_set)
 
 
 class _PatchMegatronOnImport(importlib.abc.MetaPathFinder):
@@ -204,7 +207,7 @@ class _PatchMegatronOnImport(importlib.abc.MetaPathFinder):
             exec_module(module)
             _patch_module(module)
 
-        loader.exec_module = exec_and_patch
+        loader.exec_module = exec_and_patch  # type: ignore[method-assign]  # this spec's loader only
         return spec
 
 
@@ -250,8 +253,8 @@ def install() -> None:
         if name.startswith("megatron.core") and module is not None:
             _patch_module(module)
     sys.meta_path.insert(0, _PatchMegatronOnImport())
-    torch.Tensor.type = _type_as_megatron_expects
-    torch.Tensor.cuda = _cuda_stays_on_cpu
+    torch.Tensor.type = _type_as_megatron_expects  # type: ignore[method-assign]  # the CPU patch itself
+    torch.Tensor.cuda = _cuda_stays_on_cpu  # type: ignore[method-assign]
     _installed = True
 
 

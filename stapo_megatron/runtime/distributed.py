@@ -1,8 +1,10 @@
 """The one entry point that starts torch.distributed and Megatron's parallel state.
 
-NCCL with CUDA, gloo without; on a machine without CUDA the CPU compatibility layer is
-installed here and nowhere else. :func:`init_distributed` returns the :class:`ParallelContext`
-that everything which communicates receives, with a gloo group next to the NCCL one.
+NCCL with CUDA, gloo without. Both patches of Megatron are applied here and nowhere else: the
+CPU compatibility layer (:mod:`~stapo_megatron.runtime.cpu_compat`) on a machine without CUDA,
+the corrections of Megatron's bugs (:mod:`~stapo_megatron.runtime.megatron_fixes`) everywhere.
+:func:`init_distributed` returns the :class:`ParallelContext` that everything which communicates
+receives, with a gloo group next to the NCCL one.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.config import ConfigError, option
+from stapo_megatron.runtime import console, megatron_fixes
 
 MAX_RANKS = 1 << 16  # of one parallel dimension
 
@@ -175,6 +178,7 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> ParallelCont
         from stapo_megatron.runtime import cpu_compat
 
         cpu_compat.install()
+    megatron_fixes.apply()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
         if accelerator_available():
@@ -188,6 +192,7 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> ParallelCont
             timeout=datetime.timedelta(minutes=parallel.timeout_minutes),
         )
     parallel.check_world_size(dist.get_world_size())
+    console.configure(rank=dist.get_rank())  # the console shows rank 0's messages (all ranks' on request)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
@@ -197,17 +202,24 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> ParallelCont
         create_gloo_process_groups=True,  # the data-parallel gloo group of the context
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    return _megatron_context(local_rank, dist.group.WORLD, cpu_group(parallel.timeout_minutes))
+    return _megatron_context(local_rank, _world_group(), cpu_group(parallel.timeout_minutes))
 
 
 _cpu_groups: dict[dist.ProcessGroup, dist.ProcessGroup] = {}  # default group -> its gloo companion
+
+
+def _world_group() -> dist.ProcessGroup:
+    world = dist.group.WORLD
+    if world is None:
+        raise RuntimeError("torch.distributed is not initialized (init_distributed starts it)")
+    return world
 
 
 def cpu_group(timeout_minutes: int = 30) -> dist.ProcessGroup:
     """The gloo group of every rank, for Python objects and CPU metadata: the default group itself
     when that is gloo, else one made for this world the first time (a collective: every rank
     calls it then; :func:`init_distributed` does) and returned again after. Also ``ctx.cpu_group``."""
-    world = dist.group.WORLD
+    world = _world_group()
     if dist.get_backend() == "gloo":
         return world
     if world not in _cpu_groups:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -13,6 +13,8 @@ import traceback
 import torch.multiprocessing as mp
 
 from stapo_megatron.config import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 def kill_tree(pid: int, timeout: float = 30.0, include_root: bool = True) -> None:
@@ -70,11 +72,7 @@ def watch_launcher(pid: int, interval: float = 1.0) -> None:
             launcher = None
         while launcher is not None and alive(launcher):
             time.sleep(interval)
-        print(
-            f"[stapo] the launcher (pid {pid}) is gone; ending rank {os.environ.get('RANK', '?')}",
-            file=sys.stderr,
-            flush=True,
-        )
+        logger.warning("the launcher (pid %d) is gone; ending rank %s", pid, os.environ.get("RANK", "?"))
         kill_tree(os.getpid(), timeout=5.0, include_root=False)
         os._exit(1)
 

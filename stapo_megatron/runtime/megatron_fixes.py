@@ -1,4 +1,5 @@
-"""Corrections to Megatron-Core 0.16.1's distributed optimizer on the plain torch Adam path.
+"""Corrections to Megatron-Core's distributed optimizer on the plain torch Adam path, written for
+megatron-core 0.16.1 and applied by :func:`stapo_megatron.runtime.distributed.init_distributed`.
 
 Without Transformer Engine or apex, Megatron wraps ``torch.optim.AdamW``, and saving/loading its
 state has three bugs (in Megatron itself, on any device):
@@ -12,15 +13,67 @@ state has three bugs (in Megatron itself, on any device):
    parameter, so after one step it reads N+1 instead of 2 and training silently diverges from
    the uninterrupted run.
 
-:func:`apply` patches the three spots; with Transformer Engine's or apex's fused Adam (where
-``step`` lives in the param groups) Megatron takes other branches and nothing changes.
+Each :class:`Fix` names the releases it was written for and recognises its bug by the code it
+replaces (the buggy statement in Megatron's source). :func:`apply` patches a fix only on a tested
+release where that code is present; on any other release it patches nothing and warns once, and
+``tests/trainer/test_resume.py`` (an exact resume) decides whether a fix is still needed there.
+With Transformer Engine's or apex's fused Adam (``step`` in the param groups) Megatron takes other
+branches and nothing is patched.
+
+The other patch of Megatron, :mod:`stapo_megatron.runtime.cpu_compat`, is not a bug fix: it lets
+Megatron run without CUDA, and only there.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import io
+import logging
+import os
+import textwrap
+import tokenize
+from collections.abc import Callable
+
 import torch
 
-_applied = False
+log = logging.getLogger(__name__)
+
+
+def _code(source: str) -> str:
+    """Python source as its tokens, one space apart: comments, blank lines and indentation dropped,
+    a statement's end written ``;`` and every string quoted with ``"``, so that a statement is
+    recognised whatever its formatting."""
+    tokens = tokenize.generate_tokens(io.StringIO(textwrap.dedent(source)).readline)
+    skipped = {tokenize.COMMENT, tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    return " ".join(
+        ";" if tok.type == tokenize.NEWLINE else tok.string.replace("'", '"')
+        for tok in tokens
+        if tok.type not in skipped
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Fix:
+    """One bug of ``DistributedOptimizer``: the megatron-core releases the fix was written for and
+    checked on (exact resume), the method whose source holds the bug, the statement that is the bug,
+    and the patch of ``method`` that corrects it."""
+
+    name: str
+    releases: tuple[str, ...]
+    bug_in: str
+    buggy_code: str
+    method: str
+    patch: Callable[[Callable], Callable]
+
+    def bug_present(self, cls: type) -> bool:
+        """Whether ``cls.<bug_in>`` still contains the buggy statement; True where its source cannot
+        be read (a tested release installed without sources: the version says the bug is there)."""
+        try:
+            source = inspect.getsource(getattr(cls, self.bug_in))
+        except (OSError, TypeError):
+            return True
+        return _code(self.buggy_code) in _code(source)
 
 
 def _empty_adam_state(optimizer: torch.optim.Optimizer) -> None:
@@ -35,42 +88,112 @@ def _empty_adam_state(optimizer: torch.optim.Optimizer) -> None:
                 }
 
 
-def apply() -> None:
-    global _applied
-    if _applied:
-        return
-    from megatron.core.optimizer import distrib_optimizer
-
-    if distrib_optimizer.HAVE_APEX_OR_TE:
-        _applied = True
-        return
-    cls = distrib_optimizer.DistributedOptimizer
-    original_sharded_state_dict = cls.sharded_state_dict
-    original_set_states = cls._set_main_param_and_optimizer_states
-    original_load_state_dict = cls.load_state_dict
-
+def _patch_sharded_state_dict(original: Callable) -> Callable:
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-        _empty_adam_state(self.optimizer)  # fix 1: the state AdamW would create on its first step
-        return original_sharded_state_dict(self, model_sharded_state_dict, is_loading, **kwargs)
+        _empty_adam_state(self.optimizer)  # the state AdamW would create on its first step
+        return original(self, model_sharded_state_dict, is_loading, **kwargs)
 
-    def set_main_param_and_optimizer_states(self, model_param, tensors):
+    return sharded_state_dict
+
+
+def _patch_set_states(original: Callable) -> Callable:
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
         if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            return original_set_states(self, model_param, tensors)
+            return original(self, model_param, tensors)
         group_index, group_order = self.model_param_group_index_map[model_param]
         main_param = self.optimizer.param_groups[group_index]["params"][group_order]
         targets = {"param": main_param, **self.optimizer.state[main_param]}
-        with torch.no_grad():  # fix 2
+        with torch.no_grad():  # main_param is a leaf that requires grad
             for key, target in targets.items():
-                if key != "step":
+                if key != "step":  # not in the saved tensors; restored from the param groups
                     target.copy_(tensors[key])
 
+    return _set_main_param_and_optimizer_states
+
+
+def _patch_load_state_dict(original: Callable) -> Callable:
     def load_state_dict(self, state_dict):
-        original_load_state_dict(self, state_dict)
-        for state in self.optimizer.state.values():  # fix 3
+        original(self, state_dict)
+        for state in self.optimizer.state.values():  # one step tensor per parameter
             if "step" in state:
                 state["step"] = state["step"].detach().clone()
 
-    cls.sharded_state_dict = sharded_state_dict
-    cls._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
-    cls.load_state_dict = load_state_dict
-    _applied = True
+    return load_state_dict
+
+
+FIXES = (
+    Fix(
+        "step read from an empty Adam state",
+        releases=("0.16.1",),
+        bug_in="state_dict",  # called by sharded_state_dict
+        buggy_code="""
+            steps = list(set([s["step"].item() for s in inner_state_dict["state"].values()]))
+            assert len(steps) == 1
+        """,
+        method="sharded_state_dict",
+        patch=_patch_sharded_state_dict,
+    ),
+    Fix(
+        "step copied, outside no_grad",
+        releases=("0.16.1",),
+        bug_in="_set_main_param_and_optimizer_states",
+        buggy_code="""
+            for key in dst_tensors:
+                dst_tensors[key].copy_(tensors[key])
+        """,
+        method="_set_main_param_and_optimizer_states",
+        patch=_patch_set_states,
+    ),
+    Fix(
+        "one step tensor shared by every parameter",
+        releases=("0.16.1",),
+        bug_in="load_state_dict",
+        buggy_code="""
+            for s in state_dict_state.values():
+                s["step"] = step
+        """,
+        method="load_state_dict",
+        patch=_patch_load_state_dict,
+    ),
+)
+
+_applied: dict[str, bool] = {}  # fix name -> patched; filled by the first apply()
+
+
+def megatron_version() -> str:
+    from megatron.core import __version__
+
+    return __version__
+
+
+def apply() -> dict[str, bool]:
+    """Patch the fixes whose bug this megatron-core has; idempotent. Returns which were patched."""
+    if _applied:
+        return dict(_applied)
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    version = megatron_version()
+    untested = []
+    for fix in FIXES:
+        if distrib_optimizer.HAVE_APEX_OR_TE:
+            _applied[fix.name] = False  # fused Adam: the buggy branches are not taken
+        elif version not in fix.releases:
+            _applied[fix.name] = False  # not patched blind: the exact-resume test is the judge
+            untested.append(f"{fix.name} ({', '.join(fix.releases)})")
+        elif fix.bug_present(cls):
+            setattr(cls, fix.method, fix.patch(getattr(cls, fix.method)))
+            _applied[fix.name] = True
+        else:
+            _applied[fix.name] = False
+            log.info("megatron-core %s: %s is corrected there; not patched", version, fix.name)
+    if untested:
+        # one warning per job: the other ranks' copy is an info line (shown with logging.all_ranks)
+        log.log(
+            logging.WARNING if os.environ.get("RANK", "0") == "0" else logging.INFO,
+            "megatron-core %s is not a release these optimizer fixes were tested on, so they are not applied: %s; "
+            "tests/trainer/test_resume.py tells whether resuming is exact with it",
+            version,
+            "; ".join(untested),
+        )
+    return dict(_applied)

@@ -21,15 +21,17 @@ import contextlib
 import dataclasses
 import fcntl
 import json
+import logging
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
 from pathlib import Path
 
 from stapo_megatron.config import ConfigError
+
+logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
 GUARD_FILE = ".lock.guard"
@@ -133,13 +135,14 @@ class RunLock:
                     if reason is None:
                         who = holder.describe() if holder else "a run that is starting"
                         raise ConfigError(
-                            f"{run_dir}: in use by another run ({who}); wait for it to end or choose another run.output_dir"
+                            f"{run_dir}: in use by another run ({who}); wait for it to end or choose another "
+                            "run.output_dir"
                         ) from None
-                    print(
-                        f"[stapo] {run_dir}: taking over the lock of a run that is gone "
-                        f"({holder.describe() if holder else 'holder unknown'}: {reason})",
-                        file=sys.stderr,
-                        flush=True,
+                    logger.warning(
+                        "%s: taking over the lock of a run that is gone (%s: %s)",
+                        run_dir,
+                        holder.describe() if holder else "holder unknown",
+                        reason,
                     )
                     path.unlink(missing_ok=True)
                     continue

@@ -117,14 +117,16 @@ def broadcast_rollouts(ctx: ParallelContext, batch: RolloutBatch | None, src: in
     moves them in a fraction of a second, where pickling them over gloo's TCP would take many.
     ``src`` keeps its own batch; the others get the same values in the dtypes of :class:`RolloutBatch`.
     """
-    is_src = ctx.rank == src
-    if is_src:
-        sizes, integers, floats = pack_rollouts(batch)
+    src_batch = batch if ctx.rank == src else None
+    if ctx.rank == src and src_batch is None:
+        raise ValueError(f"broadcast_rollouts: rank {src}, the source, passed no batch")
+    if src_batch is not None:
+        sizes, integers, floats = pack_rollouts(src_batch)
     else:
         sizes = torch.zeros(3, dtype=torch.long)
     dist.broadcast(sizes, src=src, group=ctx.cpu_group)
     num_integers, num_floats = _packed_lengths(sizes)
-    if is_src:
+    if src_batch is not None:
         integers, floats = integers.to(ctx.device), floats.to(ctx.device)
     else:
         integers = torch.empty(num_integers, dtype=torch.long, device=ctx.device)
@@ -132,8 +134,8 @@ def broadcast_rollouts(ctx: ParallelContext, batch: RolloutBatch | None, src: in
     for tensor in (integers, floats):
         if tensor.numel():  # every rank knows the sizes: an empty step skips alike everywhere
             dist.broadcast(tensor, src=src, group=ctx.world_group)
-    if is_src:
-        return batch
+    if src_batch is not None:
+        return src_batch
     return unpack_rollouts(sizes, integers.cpu(), floats.cpu())
 
 

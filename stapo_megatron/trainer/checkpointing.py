@@ -11,6 +11,7 @@ pruning deletes only those, never a checkpoint by its step number alone. A full 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -23,6 +24,8 @@ from stapo_megatron.checkpoint.dist import COMPLETE_MARKER, load_dist, save_dist
 from stapo_megatron.runtime import rng
 from stapo_megatron.runtime.distributed import ParallelContext
 from stapo_megatron.runtime.run_files import NoSpaceError, atomic_open, is_no_space, reporting_no_space
+
+logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest.txt"
 HISTORY_FILE = "history.json"
@@ -49,6 +52,11 @@ class Checkpointer:
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
         self.ctx = ctx
+
+    def _parallel_context(self) -> ParallelContext:
+        if self.ctx is None:
+            raise RuntimeError("Checkpointer: save and load need this rank's parallel context (ctx=)")
+        return self.ctx
 
     @staticmethod
     def name(step: int) -> str:
@@ -80,6 +88,7 @@ class Checkpointer:
 
         steps = [self.complete_steps() if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(steps, src=0, group=cpu_group())
+        assert steps[0] is not None  # rank 0's list, on every rank after the broadcast
         skipped = []
         for step in reversed(steps[0]):
             directory = self.root / self.name(step)
@@ -88,7 +97,7 @@ class Checkpointer:
             except ConfigError as err:
                 skipped.append(f"{directory.name}: {err}")
                 if dist.get_rank() == 0:
-                    print(f"[stapo] skipping damaged checkpoint {directory.name}: {err}", flush=True)
+                    logger.warning("skipping damaged checkpoint %s: %s", directory.name, err)
                 continue
             self._verified = directory
             return directory
@@ -100,14 +109,15 @@ class Checkpointer:
 
     def save(self, step: int, model, optimizer, scheduler, progress: dict, arch, params_dtype, assets=None) -> Path:
         """Collective: every rank calls it."""
+        ctx = self._parallel_context()
         model_state = unwrap(model).sharded_state_dict()
         state = {
             MODEL_KEY: model_state,
             "optimizer": optimizer.sharded_state_dict(model_state, is_loading=False, metadata=_OPTIMIZER_METADATA),
             "scheduler": scheduler.state_dict(),
             "progress": progress,
-            "layout": _layout(self.ctx),
-            "rng_state": _rng_object(self.ctx, rng.capture()),
+            "layout": _layout(ctx),
+            "rng_state": _rng_object(ctx, rng.capture()),
             META_KEY: checkpoint_meta(arch, params_dtype),
         }
         target = self.root / self.name(step)
@@ -127,7 +137,7 @@ class Checkpointer:
                 if isinstance(error, CheckpointException):
                     # Every rank raises it at the same point, but only rank 0's holds the causes.
                     full = [is_no_space(error)]
-                    dist.broadcast_object_list(full, src=0, group=self.ctx.cpu_group)
+                    dist.broadcast_object_list(full, src=0, group=ctx.cpu_group)
                     if full[0]:
                         raise NoSpaceError(self.root) from None
                 raise
@@ -170,17 +180,18 @@ class Checkpointer:
         from stapo_megatron.checkpoint.dist import load_common
         from stapo_megatron.checkpoint.integrity import verify_checkpoint
 
+        ctx = self._parallel_context()
         if Path(directory) != getattr(self, "_verified", None):
             verify_checkpoint(directory)
         common = load_common(directory)
-        same_layout = common.get("layout") == _layout(self.ctx)
+        same_layout = common.get("layout") == _layout(ctx)
         model_state = unwrap(model).sharded_state_dict()
         request = {
             MODEL_KEY: model_state,
             "optimizer": optimizer.sharded_state_dict(model_state, is_loading=True, metadata=_OPTIMIZER_METADATA),
         }
         if same_layout:
-            request["rng_state"] = _rng_object(self.ctx, None)
+            request["rng_state"] = _rng_object(ctx, None)
         loaded = load_dist(request, directory)
         unwrap(model).load_state_dict(loaded[MODEL_KEY])
         optimizer.load_state_dict(loaded["optimizer"])

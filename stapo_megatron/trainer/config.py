@@ -104,7 +104,8 @@ class BatchConfig:
             )
         if self.prompts_per_step % self.prompts_per_minibatch:
             raise ConfigError(
-                f"prompts_per_minibatch: {self.prompts_per_minibatch} does not divide prompts_per_step {self.prompts_per_step}"
+                f"prompts_per_minibatch: {self.prompts_per_minibatch} does not divide prompts_per_step "
+                f"{self.prompts_per_step}"
             )
 
     @property
@@ -198,6 +199,11 @@ class LoggingConfig:
     wandb_project: str = option("", "Log to this Weights & Biases project ('' : off; needs the wandb extra).")
     wandb_entity: str = option("", "Weights & Biases entity (team) of the project.")
     progress_bar: bool = option(True, "Show a progress bar on the console (rank 0).")
+    all_ranks: bool = option(
+        False,
+        "Console messages of every rank, each line naming its rank (default: rank 0's, and every rank's "
+        "warnings and errors). STAPO_LOG_ALL_RANKS=1 in the environment does the same for any command.",
+    )
     inspect_every: int = option(
         10, "Save the silenced tokens with their context every this many steps (0: never).", ge=0, le=MAX_STEPS
     )
@@ -239,6 +245,12 @@ class TrainConfig:
     logging: LoggingConfig = option(doc="Metrics sinks and the spurious-token inspector.", factory=LoggingConfig)
     eval: EvalConfig = option(doc="Periodic evaluation during training.", factory=EvalConfig)
     faults: FaultConfig = option(doc="What to tolerate before stopping.", factory=FaultConfig)
+
+    @property
+    def hf_tokenizer_dir(self) -> str:
+        """The Hugging Face tokenizer directory of a real dataset: ``tokenizer``, else ``checkpoint.load_hf``
+        ('': neither is set)."""
+        return self.tokenizer or self.checkpoint.load_hf
 
     def __post_init__(self):
         if (

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 
 import torch
 
@@ -22,6 +23,8 @@ from stapo_megatron.rollout.engine import SamplingParams
 from stapo_megatron.trainer.batch import RolloutBatch
 from stapo_megatron.trainer.launcher import STOP_FILE, write_resolved_config
 from stapo_megatron.trainer.metrics import MetricsLogger
+
+logger = logging.getLogger(__name__)
 
 
 def step_seed(run_seed: int, step: int, round_index: int) -> int:
@@ -181,7 +184,7 @@ class RolloutController:
 
         write_resolved_config(cfg)  # also when started by an outside torchrun / SLURM launch
         dataset = build_prompt_dataset(cfg.data, tokenizer)
-        print(f"[stapo] {dataset.report.summary()}", flush=True)
+        logger.info("training prompts: %s", dataset.report.summary())
         sampler = PromptSampler(len(dataset), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         if "sampler" in progress:
             sampler.load_state_dict(progress["sampler"])
@@ -191,7 +194,7 @@ class RolloutController:
         collector = RolloutCollector(
             engine, RewardPool.from_config(cfg.reward), tokenizer, dataset, sampler, cfg, stop_token_ids
         )
-        logger = MetricsLogger(
+        metrics_logger = MetricsLogger(
             cfg.run.directory, cfg.logging, cfg.run.name, to_dict(cfg, redact=True), step, cfg.run.steps
         )
         evaluator = None
@@ -207,7 +210,7 @@ class RolloutController:
                 default_max_new_tokens=cfg.batch.max_new_tokens,
                 stop_token_ids=stop_token_ids,
             )
-        return cls(collector, evaluator, logger, cfg.run.directory)
+        return cls(collector, evaluator, metrics_logger, cfg.run.directory)
 
     @property
     def engine(self):
@@ -230,9 +233,6 @@ class RolloutController:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.logger.log(step, metrics)
-
-    def message(self, text: str) -> None:
-        self.logger.message(text)
 
     def stop_file_present(self) -> bool:
         return (self.run_dir / STOP_FILE).exists()

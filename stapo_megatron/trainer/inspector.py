@@ -14,6 +14,7 @@ import math
 import os
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -75,9 +76,9 @@ class SpuriousTokenDump:
             return
         entries = self._entries(step, minibatches, stats_per_minibatch, selections_per_minibatch, batch)
         group = ctx.dp_cpu_group
-        gathered = [None] * ctx.dp_size if ctx.dp_rank == 0 else None
+        gathered: list[Any] | None = [None] * ctx.dp_size if ctx.dp_rank == 0 else None  # each rank's entries
         dist.gather_object(entries, gathered, dst=dist.get_global_rank(group, 0), group=group)
-        if ctx.dp_rank != 0:
+        if gathered is None:  # not the writer (data-parallel rank 0)
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         with atomic_open(self.directory / f"step_{step:07d}.jsonl") as f:

@@ -11,6 +11,7 @@ write a checkpoint; a second Ctrl-C stops them at once (exit status 130).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ import yaml
 
 from stapo_megatron.config import ConfigError, to_dict
 from stapo_megatron.config.command import load_training_config
+from stapo_megatron.runtime import console
 from stapo_megatron.runtime.launch import kill_tree, watch_launcher
 from stapo_megatron.runtime.run_files import atomic_open
 from stapo_megatron.runtime.run_lock import GUARD_FILE, LOCK_FILE, TOKEN_ENV, RunLock
@@ -37,6 +39,8 @@ ARCHIVE_DIR = "archive"
 LAUNCHER_PID_ENV = "STAPO_LAUNCHER_PID"
 # What belongs to the directory rather than to one run: kept in place by --overwrite.
 _DIRECTORY_ENTRIES = {ARCHIVE_DIR, LOCK_FILE, GUARD_FILE}
+
+logger = logging.getLogger(__name__)
 
 
 def default_config_path() -> Path:
@@ -73,9 +77,7 @@ def check_data(cfg: TrainConfig) -> None:
     try:
         tokenizer = build_tokenizer(cfg)
     except OSError as err:
-        raise ConfigError(
-            f"tokenizer: cannot load {cfg.tokenizer or cfg.checkpoint.load_hf}: {str(err).splitlines()[0]}"
-        ) from None
+        raise ConfigError(f"tokenizer: cannot load {cfg.hf_tokenizer_dir}: {str(err).splitlines()[0]}") from None
     try:
         build_prompt_dataset(cfg.data, tokenizer)
     except DataError as err:
@@ -101,11 +103,11 @@ def prepare_run_directory(cfg: TrainConfig, overwrite: bool) -> None:
         archive.mkdir(parents=True)
         for entry in old:
             entry.rename(archive / entry.name)
-        print(f"[stapo] --overwrite: moved the earlier run ({', '.join(p.name for p in old)}) to {archive}", flush=True)
+        logger.info("--overwrite: moved the earlier run (%s) to %s", ", ".join(p.name for p in old), archive)
     stop_file = directory / STOP_FILE
     if stop_file.exists():
         stop_file.unlink()
-        print(f"[stapo] removed {stop_file}, a stop request left by an earlier run", flush=True)
+        logger.info("removed %s, a stop request left by an earlier run", stop_file)
 
 
 @contextlib.contextmanager
@@ -123,6 +125,7 @@ def _rank_owns_directory(cfg: TrainConfig, overwrite: bool):
 def run_rank(cfg: TrainConfig, overwrite: bool = False) -> None:
     from stapo_megatron.trainer.trainer import Trainer
 
+    console.configure(all_ranks=cfg.logging.all_ranks)
     if LAUNCHER_PID_ENV in os.environ:
         watch_launcher(int(os.environ[LAUNCHER_PID_ENV]))
     with _rank_owns_directory(cfg, overwrite):
@@ -149,11 +152,7 @@ def launch(cfg: TrainConfig, lock: RunLock) -> int:
     def on_signal(signum, frame):
         signals.append(signum)
         if len(signals) == 1:
-            print(
-                "\n[stapo] stopping after the current step (checkpoint follows); Ctrl-C again to kill",
-                file=sys.stderr,
-                flush=True,
-            )
+            logger.info("stopping after the current step (checkpoint follows); Ctrl-C again to kill")
             stop_file.touch()
         else:
             kill_tree(process.pid)
@@ -188,11 +187,7 @@ def launch(cfg: TrainConfig, lock: RunLock) -> int:
             # A request that the killed ranks never read must not stop the next run.
             stop_file.unlink(missing_ok=True)
     if len(signals) > 1:
-        print(
-            f"[stapo] killed by a second {signal.Signals(signals[-1]).name}; no final checkpoint was written",
-            file=sys.stderr,
-            flush=True,
-        )
+        logger.error("killed by a second %s; no final checkpoint was written", signal.Signals(signals[-1]).name)
         return 128 + signals[-1]
     return code
 
@@ -261,10 +256,12 @@ def _already_complete(cfg: TrainConfig) -> bool:
     _, step = _newest_checkpoint(cfg.run.directory)
     if step < cfg.run.steps:
         return False
-    print(
-        f"[stapo] {cfg.run.directory}: already complete (step {step}/{cfg.run.steps}), nothing to train "
+    logger.info(
+        "%s: already complete (step %d/%d), nothing to train "
         "(raise run.steps to train on, or --overwrite to start afresh)",
-        flush=True,
+        cfg.run.directory,
+        step,
+        cfg.run.steps,
     )
     print(run_summary(cfg), flush=True)
     return True

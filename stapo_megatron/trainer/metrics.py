@@ -3,17 +3,29 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import logging
 import math
 import os
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
+from stapo_megatron.runtime import console
 from stapo_megatron.runtime.run_files import atomic_open, reporting_no_space
 
+logger = logging.getLogger(__name__)
+
 METRICS_FILE = "metrics.jsonl"
+
+
+@dataclasses.dataclass
+class _Stretch:
+    """An open phase of a :class:`PhaseTimer` and when its current stretch began."""
+
+    phase: str
+    began: float
 
 
 class PhaseTimer:
@@ -29,7 +41,7 @@ class PhaseTimer:
         self.started = time.perf_counter()
         self.stopped: float | None = None
         self.seconds: dict[str, float] = defaultdict(float)
-        self._open: list[list] = []  # [phase, when its current stretch began], innermost last
+        self._open: list[_Stretch] = []  # innermost last
 
     def __call__(self, phase: str):
         return self.measure(phase)
@@ -39,20 +51,22 @@ class PhaseTimer:
         now = time.perf_counter()
         if self._open:
             outer = self._open[-1]
-            self.seconds[outer[0]] += now - outer[1]
-        entry = [phase, now]
+            self.seconds[outer.phase] += now - outer.began
+        entry = _Stretch(phase, now)
         self._open.append(entry)
         try:
             yield
         finally:
             now = time.perf_counter()
             self._open.pop()
-            self.seconds[phase] += now - entry[1]
+            self.seconds[phase] += now - entry.began
             if self._open:
-                self._open[-1][1] = now  # the outer phase resumes
+                self._open[-1].began = now  # the outer phase resumes
 
     def follow(self, previous: PhaseTimer) -> PhaseTimer:
         """Start where ``previous`` stopped, so nothing between the two goes unaccounted."""
+        if previous.stopped is None:
+            raise RuntimeError("PhaseTimer.follow: the previous timer was not stopped")
         self.started = previous.stopped
         return self
 
@@ -88,10 +102,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
             try:
                 rows.append(json.loads(line))
             except ValueError:
-                print(
-                    f"warning: {path}: line {number} is cut off or malformed ({len(line)} bytes); skipped",
-                    file=sys.stderr,
-                )
+                logger.warning("%s: line %d is cut off or malformed (%d bytes); skipped", path, number, len(line))
     return rows
 
 
@@ -135,6 +146,7 @@ class MetricsLogger:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=resume_step, desc=run_name, unit="step", dynamic_ncols=True)
+            console.bar_started()  # log records now go through tqdm, around the bar
 
     def _truncate_after(self, step: int) -> None:
         """Keep the rows up to ``step`` (the resumed checkpoint's); a cut-off line is dropped."""
@@ -175,12 +187,6 @@ class MetricsLogger:
             )
             self._bar.update(1)
 
-    def message(self, text: str) -> None:
-        if self._bar is not None:
-            self._bar.write(text)
-        else:
-            print(text, flush=True)
-
     def close(self) -> None:
         os.close(self._fd)
         if self._tensorboard is not None:
@@ -189,3 +195,4 @@ class MetricsLogger:
             self._wandb.finish()
         if self._bar is not None:
             self._bar.close()
+            console.bar_ended()

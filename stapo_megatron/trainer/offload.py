@@ -86,7 +86,7 @@ class TrainerOffload:
 
     def _storages(self, part: Part) -> list[torch.UntypedStorage]:
         """The distinct resident device storages of ``part``, each once (views share one)."""
-        params = {}
+        params: dict[int, torch.UntypedStorage] = {}
         for tensor in _param_tensors(self.model):
             storage = tensor.untyped_storage()
             params.setdefault(storage.data_ptr(), storage)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import signal
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -13,7 +15,6 @@ from stapo_megatron.checkpoint.hf_io import HFCheckpoint
 from stapo_megatron.data.prompts import default_stop_token_ids
 from stapo_megatron.loss.metrics import combine_steps
 from stapo_megatron.models.qwen3.parallelize import build_stage
-from stapo_megatron.runtime import megatron_fixes
 from stapo_megatron.runtime.distributed import init_distributed
 from stapo_megatron.trainer.batch import RolloutBatch, broadcast_rollouts
 from stapo_megatron.trainer.checkpointing import Checkpointer
@@ -26,6 +27,11 @@ from stapo_megatron.trainer.offload import OPTIMIZER, PARAMS, TrainerOffload
 from stapo_megatron.trainer.reference import ReferenceModel
 from stapo_megatron.trainer.update import PolicyUpdater, merge_reporter_metrics
 
+if TYPE_CHECKING:
+    from stapo_megatron.rollout.weight_sync import WeightSync
+
+logger = logging.getLogger(__name__)
+
 
 def build_tokenizer(cfg: TrainConfig):
     if cfg.data.is_synthetic:
@@ -34,7 +40,7 @@ def build_tokenizer(cfg: TrainConfig):
         return synthetic_tokenizer(cfg.data.synthetic_distractors)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.checkpoint.load_hf)
+    return AutoTokenizer.from_pretrained(cfg.hf_tokenizer_dir)
 
 
 def stop_token_ids(cfg: TrainConfig, tokenizer) -> list[int]:
@@ -56,7 +62,7 @@ def build_scheduler(optimizer, cfg: TrainConfig, report: bool = True):
     """Megatron's learning-rate and weight-decay scheduler for ``cfg``. On resume the config's
     values take effect, at the checkpoint's position in the schedule (Megatron's default would
     keep the checkpoint's values and silently ignore a changed ``optim.lr``); each changed value
-    is printed when ``report``."""
+    is logged when ``report``."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     class ConfigScheduler(OptimizerParamScheduler):
@@ -64,15 +70,19 @@ def build_scheduler(optimizer, cfg: TrainConfig, report: bool = True):
             if report:
                 for key, field in _SCHEDULE_FIELDS.items():
                     if key in state_dict and state_dict[key] != getattr(self, key):
-                        print(
-                            f"[stapo] {field} changed on resume: {state_dict[key]} in the checkpoint, "
-                            f"{getattr(self, key)} now (takes effect)",
-                            flush=True,
+                        logger.info(
+                            "%s changed on resume: %s in the checkpoint, %s now (takes effect)",
+                            field,
+                            state_dict[key],
+                            getattr(self, key),
                         )
             # The optimizer's groups, restored from the checkpoint just before, carry its peak and
             # final rates, which get_lr prefers to the scheduler's own.
             # Adam's betas and eps come back with the optimizer's groups too; the config's win.
-            adam = {"betas": (cfg.optim.beta1, cfg.optim.beta2), "eps": cfg.optim.eps}
+            adam: dict[str, tuple[float, float] | float] = {
+                "betas": (cfg.optim.beta1, cfg.optim.beta2),
+                "eps": cfg.optim.eps,
+            }
             changed = {}
             for group in self.optimizer.param_groups:
                 group.update(max_lr=self.max_lr, min_lr=self.min_lr)
@@ -82,10 +92,8 @@ def build_scheduler(optimizer, cfg: TrainConfig, report: bool = True):
                         group[key] = value
             if report:
                 for key, old in changed.items():
-                    print(
-                        f"[stapo] optim.{key} changed on resume: {old} in the checkpoint, {adam[key]} now "
-                        "(takes effect)",
-                        flush=True,
+                    logger.info(
+                        "optim.%s changed on resume: %s in the checkpoint, %s now (takes effect)", key, old, adam[key]
                     )
             super().load_state_dict(state_dict)
 
@@ -117,7 +125,6 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = cfg.run.directory
         self.ctx = init_distributed(cfg.parallel, seed=cfg.run.seed)
-        megatron_fixes.apply()
         self.rank = self.ctx.rank
         self.device = self.ctx.device
         self.arch = cfg.model
@@ -129,7 +136,7 @@ class Trainer:
         # sync is collective); only rank 0 talks to the engine.
         self.engine_released = False  # the engine gave its memory to training
         self.engine_version: int | None = None  # the weights the engine holds; None: none valid yet, or released
-        self.weight_sync = None  # every rank's link to the SGLang servers, made at the first sync
+        self.weight_sync: WeightSync | None = None  # every rank's link to the SGLang servers, made at the first sync
         self.release_engine = cfg.rollout.release_memory_between_steps or cfg.compute.offload_while_generating
         self.skipped_steps = 0
         self.optimizer_steps = 0
@@ -208,7 +215,7 @@ class Trainer:
         the configured one, else load_hf's; the synthetic task's is written to <run>/tokenizer (by
         rank 0, the rank that copies the assets)."""
         if not self.cfg.data.is_synthetic:
-            return self.cfg.tokenizer or self.cfg.checkpoint.load_hf
+            return self.cfg.hf_tokenizer_dir
         directory = self.run_dir / "tokenizer"
         if self.rank == 0:
             self.tokenizer.save_pretrained(directory)
@@ -277,7 +284,7 @@ class Trainer:
         self.skipped_steps = progress.get("skipped_steps", 0)
         self.optimizer_steps = progress.get("optimizer_steps", 0)
         if self.rank == 0:
-            print(f"[stapo] resumed from {latest} (step {self.step})", flush=True)
+            logger.info("resumed from %s (step %d)", latest, self.step)
         return progress
 
     def _install_signal_handlers(self) -> None:
@@ -286,7 +293,7 @@ class Trainer:
                 raise KeyboardInterrupt  # a second Ctrl-C: stop now (`stapo` exits with 130)
             self.stop_requested = True  # before the message: a second signal may come while it prints
             if signum == signal.SIGINT:
-                self._message("[stapo] stopping after the current step (checkpoint follows); Ctrl-C again to stop now")
+                logger.info("stopping after the current step (checkpoint follows); Ctrl-C again to stop now")
 
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, request_stop)
@@ -306,7 +313,7 @@ class Trainer:
                 if len(batch):
                     metrics.update(self.update_policy(batch, step, timer))
                 else:
-                    self._message(f"[stapo] step {step}: every group was filtered out; no update")
+                    logger.info("step %d: every group was filtered out; no update", step)
                 with timer("update"):
                     self.scheduler.step(increment=1)  # once per training step, update or not (see build_scheduler)
                 if self.cfg.eval.every and step % self.cfg.eval.every == 0:
@@ -326,7 +333,7 @@ class Trainer:
                 # what ran after the row (writing it, the stop agreement, the checkpoint) counts in the next one
                 timer = heartbeat.timer(step + 1).absorb(after_row)
                 if stop:
-                    self._message(f"[stapo] stop requested: checkpoint of step {step} written, exiting")
+                    logger.info("stop requested: checkpoint of step %d written, exiting", step)
                     break
         finally:
             heartbeat.stop()
@@ -384,9 +391,12 @@ class Trainer:
         def count_skipped(result) -> None:
             if result.skipped:
                 self.skipped_steps += 1
-                self._message(
-                    f"[stapo] step {step}: non-finite loss or gradient, optimizer step skipped ({self.skipped_steps} so far)"
-                )
+                if self.rank == 0:  # every rank skips it: said once (the console shows every rank's warnings)
+                    logger.warning(
+                        "step %d: non-finite loss or gradient, optimizer step skipped (%d so far)",
+                        step,
+                        self.skipped_steps,
+                    )
                 if self.skipped_steps > self.cfg.faults.max_skipped_steps:
                     raise RuntimeError(
                         f"{self.skipped_steps} optimizer steps skipped for non-finite values, more than "
@@ -479,9 +489,6 @@ class Trainer:
         """``action(controller)`` on the controller rank (rank 0, which alone holds the rollout side);
         ``default`` on every other rank."""
         return action(self.controller) if self.controller is not None else default
-
-    def _message(self, text: str) -> None:
-        self._on_controller(lambda controller: controller.message(text))
 
     def close(self) -> None:
         self._on_controller(RolloutController.close)

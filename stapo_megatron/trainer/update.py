@@ -134,7 +134,9 @@ def plan_step(batch: RolloutBatch, cfg, ctx: ParallelContext, pad_to_multiple: i
     bounds = [round(i * groups / count) for i in range(count + 1)]
     lengths = [model_tokens(batch, i) for i in range(len(batch))]
     skippable = b.skip_zero_advantage and zero_advantage_skippable(cfg.algo)
-    mine_all, shares, rows = [], [], []
+    mine_all: list[int] = []
+    shares: list[tuple[list[list[int]], list[list[int]], list[int]]] = []  # this rank's (update, forward, skipped)
+    rows: list[dict[str, float]] = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         sequences = [i for i in range(len(batch)) if lo <= int(batch.group_ids[i]) < hi]
         zero = [i for i in sequences if skippable and float(batch.advantages[i]) == 0.0]
@@ -178,12 +180,12 @@ def plan_step(batch: RolloutBatch, cfg, ctx: ParallelContext, pad_to_multiple: i
         )
     slots = token_slots(batch, mine_all)
     minibatches = []
-    for update_bins, forward_bins, zero in shares:
+    for update_share, forward_share, zero in shares:
         minibatches.append(
             MinibatchPlan(
-                update=make_microbatches(batch, update_bins, ctx.device, slots=slots, pad_to_multiple=pad_to_multiple),
+                update=make_microbatches(batch, update_share, ctx.device, slots=slots, pad_to_multiple=pad_to_multiple),
                 forward=make_microbatches(
-                    batch, forward_bins, ctx.device, slots=slots, pad_to_multiple=pad_to_multiple
+                    batch, forward_share, ctx.device, slots=slots, pad_to_multiple=pad_to_multiple
                 ),
                 skipped_tokens=sum(len(batch.response_ids[i]) for i in zero),
                 skipped_sequences=sum(1 for i in zero if batch.response_ids[i]),
@@ -270,6 +272,7 @@ class PolicyUpdater:
         """The reference model's log-prob of every token of ``microbatches`` (forward layout) as a
         per-rank token vector, at the rollout temperature through the same vocabulary-parallel
         path as the policy's (last stage; None elsewhere)."""
+        assert self.reference is not None, "called only when the update has a reference model"
         logprobs = self.reference.logprobs(microbatches, lambda logits, mb: self._token_logprob_entropy(logits, mb)[0])
         return self._slot_vector(slots, microbatches, logprobs) if self.last_stage else None
 
@@ -551,7 +554,7 @@ def merge_reporter_metrics(ctx: ParallelContext, metrics: dict) -> dict:
     if reporter:
         dist.send_object_list([metrics], dst=pipeline[0], group=ctx.cpu_group)
     elif ctx.rank == 0:
-        payload = [None]
+        payload: list[dict[str, float]] = [{}]  # the reporter's metrics, received here
         dist.recv_object_list(payload, src=pipeline[-1], group=ctx.cpu_group)
         return {**payload[0], **metrics}
     return metrics
@@ -637,7 +640,8 @@ declare(
 declare(
     Reduction.WEIGHTED_MEAN,
     {
-        "objective/gspo_clipped_fraction": "gspo: sequences whose ratio s_i is clipped on the side A pushes it / sequences",
+        "objective/gspo_clipped_fraction": "gspo: sequences whose ratio s_i is clipped on the side A pushes it / "
+        "sequences",
     },
     weight="objective/gspo_sequences",
 )

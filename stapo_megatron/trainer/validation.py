@@ -58,13 +58,14 @@ def _check_data(cfg: TrainConfig, files: bool) -> None:
         needed = synthetic_vocab_size(data.synthetic_distractors)
         if cfg.model.vocab_size < needed:
             raise ConfigError(
-                f"model.vocab_size: {cfg.model.vocab_size} is smaller than the synthetic task's tokenizer ({needed} tokens)"
+                f"model.vocab_size: {cfg.model.vocab_size} is smaller than the synthetic task's tokenizer ({needed} "
+                "tokens)"
             )
         return
     source = Path(data.source)
     if files and source.suffix in (".parquet", ".jsonl", ".json") and not source.is_file():
         raise ConfigError(f"data.source: {data.source} does not exist")
-    tokenizer = cfg.tokenizer or cfg.checkpoint.load_hf
+    tokenizer = cfg.hf_tokenizer_dir
     if not tokenizer:
         raise ConfigError("tokenizer: needed for a real dataset (or set checkpoint.load_hf, whose tokenizer is used)")
     if files and not Path(tokenizer).is_dir():
@@ -96,7 +97,8 @@ def check_train_config(cfg: TrainConfig, files: bool = True) -> None:
         )
     if cfg.algo.overlong_shaping and cfg.algo.overlong_buffer > cfg.batch.max_new_tokens:
         raise ConfigError(
-            f"algo.overlong_buffer: {cfg.algo.overlong_buffer} is longer than batch.max_new_tokens {cfg.batch.max_new_tokens}"
+            f"algo.overlong_buffer: {cfg.algo.overlong_buffer} is longer than batch.max_new_tokens "
+            f"{cfg.batch.max_new_tokens}"
         )
     if cfg.data.is_synthetic and cfg.reward.kind == "math":
         raise ConfigError(

@@ -150,8 +150,9 @@ def test_resume_skips_a_damaged_latest_checkpoint(run_copy):
     flip_byte(_data_file(checkpoints / "iter_0000002"))
     result = _resume(run_copy, 3)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "skipping damaged checkpoint iter_0000002:" in result.stdout and "contents differ" in result.stdout
-    assert f"resumed from {checkpoints / 'iter_0000001'} (step 1)" in result.stdout
+    # Messages go to the console's channel, stderr.
+    assert "warning: skipping damaged checkpoint iter_0000002:" in result.stderr and "contents differ" in result.stderr
+    assert f"[stapo] resumed from {checkpoints / 'iter_0000001'} (step 1)" in result.stderr
     # The run went on from step 1 and rewrote steps 2 and 3, intact.
     verify_checkpoint(checkpoints / "iter_0000002")
     verify_checkpoint(checkpoints / "iter_0000003")

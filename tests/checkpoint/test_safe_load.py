@@ -143,7 +143,8 @@ def test_convert_refuses_a_crafted_stored_object_even_a_stealthy_one(checkpoint,
     rehash(checkpoint)
     with pytest.raises(
         ConfigError,
-        match=r"iter_0000002/__\d_\d\.distcp \(object decoder\.layers\.mlp\.linear_fc1\._extra_state/shard_\d_\d\): refused to load",
+        match=r"iter_0000002/__\d_\d\.distcp \(object decoder\.layers\.mlp\.linear_fc1\._extra_state/shard_\d_\d\): "
+        r"refused to load",
     ) as err:
         convert_megatron_to_hf(checkpoint, tmp_path / "hf", tp=2, pp=1)
     message = _one_line(err)

@@ -118,7 +118,10 @@ def test_entries_that_are_not_tensor_descriptions(tmp_path):
 
 
 def test_duplicate_tensor_names(tmp_path):
-    header = b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "w": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]}}'
+    header = (
+        b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, '
+        b'"w": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]}}'
+    )
     refused(write(tmp_path / "hf", header), r"corrupt safetensors header \(tensor w appears twice\)")
 
 

@@ -91,7 +91,7 @@ def test_synthetic_tokenizer_is_a_hugging_face_tokenizer(tmp_path):
     assert again("8 + 7 =")["input_ids"] == [1, 11, 13, 10, 14]
     assert (again.bos_token, again.eos_token, again.pad_token) == ("<bos>", "<eos>", "<pad>")
     assert len(synthetic_tokenizer(5)) == 20
-    # Exactly the free words are what the free_words reward lets stand before the answer.
+    # Exactly the free words are what the free_words reward lets follow the answer.
     assert [t for t in synthetic_vocab(241) if FREE_WORD.fullmatch(t)] == [f"w{i}" for i in range(241)]
     with pytest.raises(ValueError, match="free_tokens must be >= 0"):
         synthetic_vocab(-1)
@@ -108,17 +108,17 @@ def test_synthetic_task_through_the_same_record_type():
     assert item.record == PromptRecord("synthetic:8+7", "8 + 7 =", "5", "synthetic", 88)
     assert item.prompt_ids == (tok.bos_token_id, 11, 13, 10, 14)
     assert tok.decode(item.prompt_ids, skip_special_tokens=True) == "8 + 7 ="
-    # A sampled response "w17 w203 5 EOS" is scored on "w17 w203 5": its last word is the answer,
-    # the free words before it decide nothing; anything else before it makes it wrong.
+    # A sampled response "5 w17 w203 EOS" is scored on "5 w17 w203": its first word is the answer,
+    # the free words after it decide nothing; anything else after it makes it wrong.
     five, eos = tok.convert_tokens_to_ids("5"), tok.eos_token_id
     free = tok.convert_tokens_to_ids(["w17", "w203"])
-    text = response_text(tok, [*free, five, eos], "stop")
-    assert text == "w17 w203 5"
+    text = response_text(tok, [five, *free, eos], "stop")
+    assert text == "5 w17 w203"
     pool = RewardPool(kind="free_words")
     responses = [
         text,
-        response_text(tok, [five, *free], "length"),
-        response_text(tok, [*free, five - 1], "length"),
+        response_text(tok, [*free, five], "length"),
+        response_text(tok, [five - 1, *free], "length"),
         response_text(tok, [five, five], "length"),
     ]
     results = pool.score(responses, [item.record.answer] * 4)

@@ -162,7 +162,10 @@ def test_compare_names_a_directory_without_results(tmp_path, capsys):
 def test_resume_samples_only_the_missing_groups_with_the_same_seeds(tmp_path, qwen3_tokenizer, eval_data_dir):
     tasks = tasks_for(qwen3_tokenizer, eval_data_dir, ["aime24", "amc23"], limit=6, k=4)
     sampling = dataclasses.replace(SAMPLING, problems_per_call=2)
-    correct = lambda name, i: i % 3
+
+    def correct(name, i):
+        return i % 3
+
     whole, engine = evaluate(tmp_path / "whole", qwen3_tokenizer, tasks, correct, "m", TRAIN, sampling)
     assert [(n, k) for _, n, k in engine.calls] == [(2, 4)] * 6
 

@@ -7,15 +7,16 @@ import json
 
 import pytest
 
-from stapo_megatron.config import ConfigError
+from stapo_megatron.config import ConfigError, load_config
 from stapo_megatron.experiment.entropy import (
     BASE_CONFIG,
-    FREE_WORDS_TASK,
     SETTINGS_FILE,
     EntropyExperiment,
     run_experiment,
 )
 from stapo_megatron.experiment.report import TABLE_FILE, write_comparison
+from stapo_megatron.runtime import console
+from stapo_megatron.trainer.config import TrainConfig
 from stapo_megatron.trainer.launcher import default_config_path
 
 STEPS = 20  # the start and end windows are 2 steps
@@ -140,6 +141,7 @@ def test_each_run_is_the_same_train_run_but_for_the_preset(tmp_path):
 
 
 def test_finished_runs_are_not_run_again_and_settings_must_match(tmp_path, capsys):
+    console.configure(rank=0)  # as `stapo` does: messages on stderr
     for algo, rows in (("grpo", flat_run()), ("stapo", rising_run())):
         (tmp_path / algo).mkdir()
         (tmp_path / algo / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -150,8 +152,9 @@ def test_finished_runs_are_not_run_again_and_settings_must_match(tmp_path, capsy
     )
     experiment = EntropyExperiment(tmp_path, algos=("grpo", "stapo"), steps=STEPS)
     files = run_experiment(experiment)  # would start `stapo train` for an unfinished run
-    out = capsys.readouterr().out
-    assert out.count("finished earlier") == 2 and "started" not in out
+    err = capsys.readouterr().err
+    assert [err.count(f"[stapo] experiment {algo}: finished earlier") for algo in ("grpo", "stapo")] == [1, 1]
+    assert "started" not in err
     # the STAPO run's silenced tokens, next to the paper's classes; grpo dumped none
     assert [f.name for f in files][-1] == "inspect_stapo.txt"
     inspection = files[-1].read_text().splitlines()
@@ -174,9 +177,10 @@ def test_runs_keep_the_config_copied_at_the_start(tmp_path):
         EntropyExperiment(tmp_path, algos=("dapo",)).run_overrides()
 
 
-def test_without_a_config_the_task_is_the_free_words_variant(tmp_path):
-    plans = EntropyExperiment(tmp_path, algos=("dapo",)).run_overrides()
-    assert plans["dapo"][:4] == list(FREE_WORDS_TASK)
-    assert plans["dapo"][-1] == "algo.overlong_buffer=1"  # a fifth of its 2 response tokens, at least 1
-    own = EntropyExperiment(tmp_path, algos=("grpo",), config=str(default_config_path())).run_overrides()
-    assert not set(FREE_WORDS_TASK) & set(own["grpo"])
+def test_without_a_config_the_runs_train_the_packaged_free_words_task(tmp_path):
+    experiment = EntropyExperiment(tmp_path, algos=("dapo",))
+    assert experiment.source_config() == default_config_path()
+    assert load_config(TrainConfig, experiment.source_config()).reward.kind == "free_words"
+    plans = experiment.run_overrides()
+    assert plans["dapo"][:2] == ["algo=dapo", "run.steps=300"]  # nothing but the experiment's own fields
+    assert plans["dapo"][-1] == "algo.overlong_buffer=1"  # a fifth of its 3 response tokens, at least 1

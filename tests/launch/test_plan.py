@@ -110,7 +110,8 @@ def test_activation_estimate_within_25_percent_of_the_measured_peak(measured):
         st = plan.stage_memory(_workers.ACT_ARCH, Layout(case["tp"], 1, 1), work, 0)
         error = (st.peak_activations - case["peak"]) / case["peak"]
         rows.append(
-            f"TP{case['tp']}{' SP' if case['sequence_parallel'] else ''} {case['recompute']}: measured {case['peak'] / 2**20:.1f} MiB, "
+            f"TP{case['tp']}{' SP' if case['sequence_parallel'] else ''} {case['recompute']}: measured "
+            f"{case['peak'] / 2**20:.1f} MiB, "
             f"estimated {st.peak_activations / 2**20:.1f} MiB ({100 * error:+.1f}%)"
         )
         assert abs(error) < TOLERANCE, rows[-1]

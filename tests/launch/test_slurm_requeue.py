@@ -323,8 +323,9 @@ def test_two_minute_allocations_finish_a_longer_run_bit_identical(slurm_cluster,
     # the end: every step logged once, in order, and the same parameters as the uninterrupted run
     assert [row["step"] for row in metrics(work / "run")] == list(range(1, steps + 1))
     final = f"iter_{steps:07d}"
-    chained = checkpoint_tensors(work / "run" / "checkpoints" / final)
-    uninterrupted = checkpoint_tensors(reference_dir / "checkpoints" / final)
+    chained, uninterrupted = checkpoint_tensors(
+        work / "run" / "checkpoints" / final, reference_dir / "checkpoints" / final
+    )
     parameters = [k for k in uninterrupted if not k.startswith("optimizer.")]
     assert "embedding.word_embeddings.weight" in parameters and len(parameters) == 10
     for key in parameters:

@@ -71,7 +71,7 @@ def tp2_stare_selection_and_loss_equal_tp1(ctx):
                 )
             cuts = minibatch_threshold(cfg, stats, None)
             keeps, loss, count = [], 0.0, 0
-            for (leaf, lp), s, b in zip(leaves, stats, batches):
+            for (_, lp), s, b in zip(leaves, stats, batches):
                 keep = select_tokens(cfg, s, cuts).keep
                 keeps.append(keep)
                 loss_sum, n, _ = policy_loss(

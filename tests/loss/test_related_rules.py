@@ -74,7 +74,7 @@ def test_stare_weights_match_fp64_reference_over_the_minibatch(variant, p):
     micro = _micro_batches()
     keeps = _selected(cfg, micro)
     expected = reference_weights(micro, p, 1.3, 0.6, variant, gate_on=True)
-    for keep, want, s in zip(keeps, expected, micro):
+    for keep, want in zip(keeps, expected, strict=True):
         assert keep.dtype == torch.float32
         assert torch.equal(keep.reshape(-1).double(), want.float().double()), (variant, p)
     lifted = sum(int((k == 1.3).sum()) for k in keeps)

@@ -28,8 +28,8 @@ def check_logits_match_hf(tp: int, pp: int, cases: list[tuple[str, str]]) -> Non
             for i in range(ids.shape[0])
         ]
 
-        def full_logits(logits, batch):
-            return gather_from_tensor_model_parallel_region(logits)[..., : arch.vocab_size]
+        def full_logits(logits, batch, vocab_size=arch.vocab_size):
+            return gather_from_tensor_model_parallel_region(logits)[..., :vocab_size]
 
         outputs = forward_only(model, batches, full_logits)
         from megatron.core import parallel_state as ps

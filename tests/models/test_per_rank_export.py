@@ -71,20 +71,21 @@ def export_every_rank(tp: int, pp: int, cases: list[tuple[str, str]]) -> None:
         meter = LiveBytes()
         probes = {"bucket": meter.probe("bucket"), "gather": meter.probe("gather")}
 
-        def probe(tensor: torch.Tensor) -> None:
+        def probe(tensor: torch.Tensor, probes=probes) -> None:
             # A bucket buffer is 1-D; gather buffers and conversion copies are not.
             probes["bucket" if tensor.dim() == 1 else "gather"](tensor)
 
         received: list[tuple[str, torch.Tensor]] = []
 
-        def send(bucket) -> None:
+        def send(bucket, received=received) -> None:
             time.sleep(0.01)  # a slow link: the next bucket is filled meanwhile
             received.extend((name, t.clone()) for name, t in bucket.named_tensors())
 
         sent = pipelined(iter_rank_buckets(model, arch, ctx, bucket_bytes=bucket_bytes, probe=probe), send)
         assert meter.live == 0, f"rank {ctx.rank}: {meter.live} bytes of buffers outlived the export"
         assert meter.peak <= 2 * bucket_bytes, (
-            f"rank {ctx.rank}: {meter.peak} bytes of buckets and gather buffers alive at once > 2 buckets of {bucket_bytes}"
+            f"rank {ctx.rank}: {meter.peak} bytes of buckets and gather buffers alive at once > 2 buckets of "
+            f"{bucket_bytes}"
         )
         assert meter.peak_buckets <= 2, f"rank {ctx.rank}: {meter.peak_buckets} buckets alive at once"
         torch.save(

@@ -165,17 +165,17 @@ def test_exact_reward_needs_no_workers():
         assert [r.extracted for r in results[:3]] == ["7", "7", "7 <d12>"]
 
 
-def test_free_words_reward_takes_the_answer_after_the_free_words():
+def test_free_words_reward_takes_the_answer_before_the_free_words():
     with RewardPool.from_config(RewardConfig(kind="free_words")) as pool:
         assert pool._workers == []
-        responses = ["w17 w203 7", "7", " w3\n7 ", "w17 3", "7 w3", "3 7", "w1 <bos> 7", "wx 7", "", "\\boxed{7}"]
+        responses = ["7 w17 w203", "7", " 7\nw3 ", "3 w17", "w3 7", "7 3", "7 w1 <bos>", "7 wx", "", "\\boxed{7}"]
         results = pool.score(responses, ["7"] * len(responses))
         assert [r.reason for r in results] == ["correct"] * 3 + ["wrong"] * 5 + ["empty_answer", "wrong"]
-        # Only a response of free words then one last word has an answer: a digit, a special token
-        # or any other word before the last leaves it without one.
+        # Only a first word followed by free words is an answer: a digit, a special token or any
+        # other word after the first leaves the response without one.
         assert [r.extracted for r in results] == ["7", "7", "7", "3", None, None, None, None, None, "\\boxed{7}"]
     with RewardPool(kind="free_words", max_answer_chars=10) as pool:
-        assert pool.score(["w1 " + "8" * 20], ["8"])[0].reason == "too_long"
+        assert pool.score(["8" * 20 + " w1"], ["8"])[0].reason == "too_long"
 
 
 def test_close_stops_the_workers():

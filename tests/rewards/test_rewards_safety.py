@@ -118,16 +118,16 @@ def test_the_trap_does_catch_math_verifys_default_parser(tmp_path):
     """Control: the plain-expression path of math_verify.parse goes through parse_expr, and the trap sees it."""
     log = str(tmp_path / "trap.log")
     script = (
-        "import sys; sys.path.insert(0, %r)\n"
+        f"import sys; sys.path.insert(0, {HERE!r})\n"
         "from math_verify import parse\n"
         "from code_eval_trap import install_trap\n"
         "from stapo_megatron.rewards.math_equiv import MathVerifier\n"
         "verifier = MathVerifier()\n"
         "assert verifier.check('5', '5') == 'correct'\n"
-        "install_trap(%r)\n"
+        f"install_trap({log!r})\n"
         "print(verifier.check('\\\\frac{1}{2}', '0.5'), flush=True)\n"
         "parse('The answer is 3/4 + 1', parsing_timeout=None)\n"
-    ) % (HERE, log)
+    )
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr

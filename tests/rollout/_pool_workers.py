@@ -143,7 +143,8 @@ def check_servers_on_every_node(tmp_dir: str) -> None:
         assert sent == engine.routed_tokens
         mean = sum(sent) / 4
         print(
-            f"[pool test] tokens per server {sent}, max deviation from even {max(abs(t - mean) for t in sent) / mean:.1%}"
+            f"[pool test] tokens per server {sent}, max deviation from even "
+            f"{max(abs(t - mean) for t in sent) / mean:.1%}"
         )
         assert all(abs(t - mean) <= 0.1 * mean for t in sent), sent
 

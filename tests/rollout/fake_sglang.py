@@ -289,11 +289,13 @@ class FakeState:
                     self.flush_busy -= 1
                     return (
                         400,
-                        b"Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n",
+                        b"Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+                        b"waiting requests, the operation will not be performed.)\n",
                     )
             return (
                 200,
-                b"Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n",
+                b"Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
+                b"requests, the operation will not be performed.)\n",
             )
         if path in ("/begin_weight_update", "/end_weight_update") and not self.has_session_routes():
             return 404, {"detail": "Not Found"}

@@ -659,7 +659,8 @@ def test_restarted_server_is_kept_out_until_weights_are_resent(tmp_path):
 
 
 def test_restarted_server_gets_a_new_weight_update_group(tmp_path):
-    """A restarted server left its group: the next update (load_weights, and the trainer ranks' plan) builds new ones."""
+    """A restarted server left its group: the next update (load_weights, and the trainer ranks' plan) builds new
+    ones."""
     die = tmp_path / "die"
     die.write_text("0")
     cfg = launch_config(

@@ -49,7 +49,7 @@ def refusing(tmp_path_factory):
 
 
 def test_context_tp2(layouts):
-    for rank, got in enumerate(l["tp2"] for l in layouts):
+    for rank, got in enumerate(by_layout["tp2"] for by_layout in layouts):
         assert got["sizes"] == [2, 2, 1, 1, 1]
         assert got["ranks"] == [rank, rank, 0, 0, 0]
         assert got["stages"] == [True, True]
@@ -60,7 +60,7 @@ def test_context_tp2(layouts):
 
 
 def test_context_pp2(layouts):
-    for rank, got in enumerate(l["pp2"] for l in layouts):
+    for rank, got in enumerate(by_layout["pp2"] for by_layout in layouts):
         assert got["sizes"] == [2, 1, 2, 1, 1]
         assert got["ranks"] == [rank, 0, rank, 0, 0]
         assert got["stages"] == [rank == 0, rank == 1]
@@ -69,7 +69,7 @@ def test_context_pp2(layouts):
 
 
 def test_context_dp2(layouts):
-    for rank, got in enumerate(l["dp2"] for l in layouts):
+    for rank, got in enumerate(by_layout["dp2"] for by_layout in layouts):
         assert got["sizes"] == [2, 1, 1, 1, 2]
         assert got["ranks"] == [rank, 0, 0, 0, rank]
         assert got["stages"] == [True, True]

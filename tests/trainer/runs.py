@@ -82,20 +82,24 @@ def kill_when(process: subprocess.Popen, condition, timeout: float = 300, poll: 
     process.wait()
 
 
-def _save_plain_tensors(directory: str, out_file: str) -> None:
+def _save_plain_tensors(directories: list[str], out_files: list[str]) -> None:
     import torch.distributed as dist
     from megatron.core.dist_checkpointing import load_plain_tensors
 
     dist.init_process_group("gloo")
-    torch.save({k: v for k, v in load_plain_tensors(directory).items() if torch.is_tensor(v)}, out_file)
+    for directory, out_file in zip(directories, out_files, strict=True):
+        torch.save({k: v for k, v in load_plain_tensors(directory).items() if torch.is_tensor(v)}, out_file)
 
 
-def checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a Megatron checkpoint (model and optimizer), read by one fresh process."""
+def checkpoint_tensors(*directories: Path) -> list[dict[str, torch.Tensor]]:
+    """Every tensor of each Megatron checkpoint (model and optimizer), read by one fresh process
+    (one for all of them: its start, with Megatron's imports, costs more than a tiny checkpoint's read)."""
     from stapo_megatron.runtime.launch import spawn_ranks
 
-    out_file = directory.parent / f"{directory.name}.tensors.pt"
-    spawn_ranks(_save_plain_tensors, 1, str(directory), str(out_file))
-    tensors = torch.load(out_file, weights_only=True)
-    out_file.unlink()
+    out_files = [directory.parent / f"{directory.name}.tensors.pt" for directory in directories]
+    spawn_ranks(_save_plain_tensors, 1, [str(d) for d in directories], [str(f) for f in out_files])
+    tensors: list[dict[str, torch.Tensor]] = []
+    for out_file in out_files:
+        tensors.append(torch.load(out_file, weights_only=True))
+        out_file.unlink()
     return tensors

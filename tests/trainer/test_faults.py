@@ -8,8 +8,9 @@ import time
 
 import pytest
 
+from stapo_megatron.cli import main
 from stapo_megatron.runtime.launch import kill_tree
-from tests.trainer.runs import metrics, run, start_session, train_command
+from tests.trainer.runs import FAST, metrics, run, start_session, train_command
 
 
 @pytest.mark.parametrize(
@@ -26,13 +27,21 @@ from tests.trainer.runs import metrics, run, start_session, train_command
         ("checkpoint.resume=required", "checkpoint.resume: required, but"),
     ],
 )
-def test_config_errors_are_one_line_before_any_process_group(tmp_path, override, message):
+def test_config_errors_are_one_line_before_any_process_group(tmp_path, capsys, override, message):
+    """In this process (the ``stapo`` script calls the same ``main``): the next test runs one in a process."""
     run_dir = tmp_path / "run"
-    result = subprocess.run(train_command(run_dir, override), capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
+    assert main(["train", f"run.output_dir={run_dir}", *FAST, override]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("stapo: error: ") and message in lines[0], lines
     assert not run_dir.exists()  # nothing was started or written
+
+
+def test_a_config_error_is_all_that_a_stapo_train_process_prints(tmp_path):
+    run_dir = tmp_path / "run"
+    result = subprocess.run(train_command(run_dir, "optim.lr=-1"), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == "stapo: error: optim.lr: must be > 0, got -1.0\n" and result.stdout == ""
+    assert not run_dir.exists()
 
 
 @pytest.mark.slow
@@ -53,13 +62,15 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
 @pytest.mark.slow
 def test_a_step_whose_groups_are_all_filtered_out_makes_no_update(tmp_path):
     run_dir = tmp_path / "run"
-    # 256 tokens: a random policy never answers right, so DAPO's dynamic sampling drops every group.
+    # 256 tokens and exact answers: a random policy never answers right, so DAPO's dynamic sampling
+    # drops every group.
     run(
         train_command(
             run_dir,
             "run.steps=2",
             "data.synthetic_distractors=241",
             "model.vocab_size=256",
+            "reward.kind=exact",
             "algo=dapo",
             "algo.overlong_buffer=1",
             "batch.max_sampling_rounds=2",

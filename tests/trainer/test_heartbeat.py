@@ -172,5 +172,5 @@ def test_a_rank_stuck_in_a_collective_is_ended_and_the_run_resumes_from_the_name
     assert (run_dir / "checkpoints" / f"iter_{named:07d}").is_dir()
 
     resumed = run(train_command(run_dir, *settings))
-    assert f"(step {named})" in resumed.stdout and "resumed from" in resumed.stdout
+    assert f"resumed from {run_dir / 'checkpoints' / f'iter_{named:07d}'} (step {named})" in resumed.stderr
     assert [row["step"] for row in metrics(run_dir)] == list(range(1, 13))

@@ -78,14 +78,12 @@ def offload_round_trips(out_dir: str) -> None:
 
     from stapo_megatron.models.qwen3.config import Qwen3Config
     from stapo_megatron.models.qwen3.parallelize import build_stage
-    from stapo_megatron.runtime import megatron_fixes
     from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
     from stapo_megatron.trainer.config import TrainConfig
     from stapo_megatron.trainer.offload import OPTIMIZER, PARAMS, TrainerOffload, _torch_optimizers
     from stapo_megatron.trainer.trainer import Trainer
 
     ctx = init_distributed(ParallelConfig(data_parallel=2, timeout_minutes=2), seed=0)
-    megatron_fixes.apply()
     arch = Qwen3Config(
         vocab_size=64,
         hidden_size=32,
@@ -104,7 +102,7 @@ def offload_round_trips(out_dir: str) -> None:
         cfg.optim.distributed, cfg.optim.lr, cfg.optim.warmup_steps = distributed, 1e-2, 0
         cfg.compute.params_dtype = dtype_name
 
-        def build(initial=None):
+        def build(initial=None, dtype=dtype, cfg=cfg):
             module = build_stage(arch, params_dtype=dtype, calculate_per_token_loss=True, device=ctx.device)
             if initial is not None:
                 module.load_state_dict(initial)

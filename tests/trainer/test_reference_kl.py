@@ -129,7 +129,7 @@ def test_reference_model_on_the_update_path_at_tp1_and_tp2(tmp_path):
     for tp in (1, 2):
         spawn_ranks(workers.reference_checks, tp, str(tmp_path), str(hf_dir), arch, tp)
     records = {tp: json.loads((tmp_path / f"tp{tp}.json").read_text()) for tp in (1, 2)}
-    for tp, record in records.items():
+    for record in records.values():
         assert not record["failures"], "\n".join(record["failures"])
         # one reference pass per step, timed on its own, before the updates
         assert record["phases"].count("reference") == 1

@@ -33,8 +33,9 @@ def _comparable(row: dict) -> dict:
 
 
 def _assert_same_run(reference_dir, resumed_dir):
-    reference = checkpoint_tensors(reference_dir / "checkpoints" / "iter_0000006")
-    resumed = checkpoint_tensors(resumed_dir / "checkpoints" / "iter_0000006")
+    reference, resumed = checkpoint_tensors(
+        reference_dir / "checkpoints" / "iter_0000006", resumed_dir / "checkpoints" / "iter_0000006"
+    )
     assert sorted(reference) == sorted(resumed)
     # The model's parameters. (The optimizer's flat buffers also hold alignment padding that
     # Megatron leaves uninitialised; a wrong Adam state would already show in these and in the
@@ -77,7 +78,7 @@ def test_resume_after_sigkill_following_step_3(reference_run, trained_tiny, tmp_
     time.sleep(2)  # nothing may go on writing once the ranks are killed
     assert not (checkpoints / "iter_0000004").exists()
     resumed = run(train_command(run_dir, *_steps(trained_tiny)))
-    assert "resumed from" in resumed.stdout and "(step 3)" in resumed.stdout
+    assert f"[stapo] resumed from {checkpoints / 'iter_0000003'} (step 3)" in resumed.stderr
     _assert_same_run(reference_run, run_dir)
 
 
@@ -94,6 +95,6 @@ def test_resume_after_sigkill_inside_a_checkpoint_write(reference_run, trained_t
     time.sleep(2)
     assert not (checkpoints / "iter_0000004").exists()
     resumed = run(train_command(run_dir, *_steps(trained_tiny)))
-    assert "resumed from" in resumed.stdout and "(step 3)" in resumed.stdout
+    assert f"[stapo] resumed from {checkpoints / 'iter_0000003'} (step 3)" in resumed.stderr
     assert not (checkpoints / ".iter_0000004.partial").exists()
     _assert_same_run(reference_run, run_dir)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from stapo_megatron.config import ConfigError
-from stapo_megatron.runtime import run_lock
+from stapo_megatron.runtime import console, run_lock
 from stapo_megatron.runtime.run_files import NoSpaceError, atomic_open
 from stapo_megatron.runtime.run_lock import LOCK_FILE, RunLock
 from stapo_megatron.trainer.checkpointing import HISTORY_FILE, Checkpointer
@@ -38,7 +38,7 @@ def _write_lock(run_dir, host, pid, started, age):
     return path
 
 
-def test_a_second_run_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path, capsys):
+def test_a_second_run_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path, caplog):
     run_dir = tmp_path / "run"
     with RunLock.acquire(run_dir) as lock:
         holder = json.loads((run_dir / LOCK_FILE).read_text())
@@ -56,12 +56,14 @@ def test_a_second_run_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path, ca
     _write_lock(run_dir, socket.gethostname(), _dead_pid(), time.time() - 5, age=1)
     with RunLock.acquire(run_dir) as lock:
         assert lock.held() and json.loads((run_dir / LOCK_FILE).read_text())["pid"] == os.getpid()
-    assert "taking over the lock of a run that is gone" in capsys.readouterr().err
+    assert "taking over the lock of a run that is gone" in caplog.text  # a warning of the stapo logger
+    caplog.clear()
 
     # Same host, the pid reused since by another process (this one, younger than the lock).
     _write_lock(run_dir, socket.gethostname(), os.getpid(), time.time() - 10**7, age=1)
     RunLock.acquire(run_dir).release()
-    assert "is no longer running" in capsys.readouterr().err
+    assert "is no longer running" in caplog.text
+    caplog.clear()
 
     # Another host: alive while its heartbeat is fresh, stale once it is older than the bound.
     _write_lock(run_dir, "node-elsewhere", 4242, time.time() - 3600, age=5)
@@ -69,7 +71,7 @@ def test_a_second_run_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path, ca
         RunLock.acquire(run_dir)
     _write_lock(run_dir, "node-elsewhere", 4242, time.time() - 3600, age=run_lock.STALE_AFTER_S + 10)
     lock = RunLock.acquire(run_dir)
-    assert "no heartbeat for" in capsys.readouterr().err
+    assert "no heartbeat for" in caplog.text
 
     # A holder whose lock was taken over (after a long stall) does not delete the new holder's.
     _write_lock(run_dir, "node-elsewhere", 4242, time.time(), age=0)
@@ -209,6 +211,7 @@ def _config(run_dir, *overrides):
 
 
 def test_starting_afresh_in_a_used_directory(tmp_path, capsys):
+    console.configure(rank=0)  # as `stapo` does: messages on stderr
     run_dir = tmp_path / "run"
     checkpointer = Checkpointer(run_dir, keep_last=3)
     for step in (5, 10):
@@ -225,7 +228,7 @@ def test_starting_afresh_in_a_used_directory(tmp_path, capsys):
     # A resumed run keeps everything but the stop request of the earlier run.
     prepare_run_directory(_config(run_dir), overwrite=False)
     assert checkpointer.complete_steps() == [5, 10] and not (run_dir / "STOP").exists()
-    assert "a stop request left by an earlier run" in capsys.readouterr().out
+    assert f"[stapo] removed {run_dir / 'STOP'}, a stop request left by an earlier run\n" in capsys.readouterr().err
 
     (run_dir / LOCK_FILE).write_text("{}")
     prepare_run_directory(_config(run_dir, "checkpoint.resume=never"), overwrite=True)
@@ -234,7 +237,9 @@ def test_starting_afresh_in_a_used_directory(tmp_path, capsys):
     (archive,) = (run_dir / "archive").iterdir()
     assert sorted(p.name for p in archive.iterdir()) == ["checkpoints", METRICS_FILE]
     assert Checkpointer(archive, keep_last=3).complete_steps() == [5, 10]
-    assert f"moved the earlier run (checkpoints, {METRICS_FILE}) to {archive}" in capsys.readouterr().out
+    assert f"[stapo] --overwrite: moved the earlier run (checkpoints, {METRICS_FILE}) to {archive}\n" in (
+        capsys.readouterr().err
+    )
 
 
 def test_a_cut_off_metrics_line_is_skipped_by_readers_and_repaired_on_resume(tmp_path, capsys):
@@ -389,6 +394,7 @@ def test_an_unknown_flag_is_still_refused(capsys):
 
 
 def test_a_learning_rate_changed_on_resume_takes_effect(tmp_path, capsys):
+    console.configure(rank=0)
     from stapo_megatron.trainer.trainer import build_scheduler
 
     def optimizer(lr):
@@ -416,12 +422,13 @@ def test_a_learning_rate_changed_on_resume_takes_effect(tmp_path, capsys):
     assert resumed.num_steps == 5
     assert resumed_optimizer.param_groups[0]["lr"] == pytest.approx(expected, rel=1e-12)
     assert expected != pytest.approx(old_optimizer.param_groups[0]["lr"])
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "optim.lr changed on resume: 0.001 in the checkpoint, 0.002 now (takes effect)" in out
     assert out.count("changed on resume") == 1
 
 
 def test_adam_settings_changed_on_resume_take_effect(tmp_path, capsys):
+    console.configure(rank=0)
     from stapo_megatron.trainer.trainer import build_scheduler
 
     def optimizer(betas, eps):
@@ -440,7 +447,7 @@ def test_adam_settings_changed_on_resume_take_effect(tmp_path, capsys):
     build_scheduler(resumed_optimizer, new_cfg).load_state_dict(saved_scheduler)
     assert resumed_optimizer.param_groups[0]["betas"] == (0.8, 0.95)
     assert resumed_optimizer.param_groups[0]["eps"] == 1e-6
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "optim.betas changed on resume: (0.9, 0.999) in the checkpoint, (0.8, 0.95) now (takes effect)" in out
     assert "optim.eps changed on resume: 1e-08 in the checkpoint, 1e-06 now (takes effect)" in out
 
@@ -522,8 +529,8 @@ def test_the_run_directory_across_runs(tmp_path):
         f.write('{"step": 99, "reward/acc')  # a row cut off by a full disk
     resumed = _stapo_train(run_dir, f"run.steps={last + 2}", "optim.lr=2e-3", "checkpoint.save_every=0")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"(step {last})" in resumed.stdout and "a stop request left by an earlier run" in resumed.stdout
-    assert "optim.lr changed on resume: 0.001 in the checkpoint, 0.002 now (takes effect)" in resumed.stdout
+    assert f"(step {last})" in resumed.stderr and "a stop request left by an earlier run" in resumed.stderr
+    assert "optim.lr changed on resume: 0.001 in the checkpoint, 0.002 now (takes effect)" in resumed.stderr
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, last + 3))  # not stopped after one step
     rates = [(r["step"] > last, r["optim/lr"]) for r in rows if "optim/lr" in r]

@@ -11,6 +11,7 @@ from stapo_megatron.checkpoint.cli import newest_intact_checkpoint
 from stapo_megatron.checkpoint.dist import COMPLETE_MARKER
 from stapo_megatron.checkpoint.integrity import HASH, record_files
 from stapo_megatron.cli import main
+from stapo_megatron.runtime import console
 from stapo_megatron.trainer.launcher import _already_complete, load_train_config, run_summary
 
 
@@ -106,10 +107,12 @@ def test_a_stopped_run_says_how_far_it_got(tmp_path):
 def test_a_complete_run_is_not_trained_again(tmp_path, capsys):
     cfg = _run(tmp_path)
     _checkpoint(cfg.run.directory, 5)
+    console.configure(rank=0)  # as `stapo` does
     assert _already_complete(cfg)
-    out = capsys.readouterr().out
-    assert out.startswith(f"[stapo] {cfg.run.directory}: already complete (step 5/5), nothing to train")
-    assert out.endswith(run_summary(cfg) + "\n")
+    captured = capsys.readouterr()
+    # The message on the console's stderr, the summary (the command's product) alone on stdout.
+    assert f"[stapo] {cfg.run.directory}: already complete (step 5/5), nothing to train" in captured.err
+    assert captured.out == run_summary(cfg) + "\n"
     # starting afresh is another matter: --overwrite (resume never) is not stopped here
     fresh = load_train_config(None, [f"run.output_dir={cfg.run.directory}", "run.steps=5", "checkpoint.resume=never"])
     assert not _already_complete(fresh)
@@ -122,5 +125,6 @@ def test_stapo_train_on_a_complete_run_starts_nothing(tmp_path, capsys, command)
     cfg = _run(tmp_path)
     _checkpoint(cfg.run.directory, 5)
     assert main([*command, f"run.output_dir={cfg.run.directory}", "run.steps=5"]) == 0
-    assert "already complete (step 5/5)" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "already complete (step 5/5)" in captured.err and captured.out == run_summary(cfg) + "\n"
     assert not (cfg.run.directory / "config.yaml").exists()  # nothing was started, nothing rewritten

@@ -46,13 +46,8 @@ def mean(values):
 
 
 @pytest.mark.slow
-def test_tiny_tp2_run_learns_and_logs_every_metric(tmp_path):
-    run_dir = tmp_path / "tp2"
-    run(
-        train_command(
-            run_dir, "run.steps=30", "logging.tensorboard=true", "logging.inspect_every=10", "algo.tau_p=0.05"
-        )
-    )
+def test_tiny_tp2_run_learns_and_logs_every_metric(tiny_tp2_run):
+    run_dir = tiny_tp2_run
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 31))
     for row in rows:
@@ -118,18 +113,14 @@ def test_tiny_pp2_run_trains_through_the_pipeline_schedule(tmp_path):
     assert rows[-1]["policy/entropy"] < rows[0]["policy/entropy"]
 
 
-# The free-words variant of the synthetic task (configs/tiny_cpu.yaml names it).
-FREE_WORDS = [
-    "data.synthetic_distractors=241",
-    "model.vocab_size=256",
-    "reward.kind=free_words",
-    "batch.max_new_tokens=2",
-]
+# The default task with 241 free words (a 256-token vocabulary): the free words start near or below
+# tau_p = 0.002, so S2T has rare tokens of correct responses to silence from the first steps.
+FREE_WORDS = ["data.synthetic_distractors=241", "model.vocab_size=256"]
 
 
 @pytest.mark.slow
 def test_free_words_run_exercises_s2t_and_its_checkpoint_loads_with_its_tokenizer(tmp_path):
-    """A shortened run of the free-words task: the free words before the answer give S2T rare
+    """A shortened run of the 256-token free-words task: the free words after the answer give S2T rare
     tokens of correct responses to silence, and the run-end checkpoint carries Hugging Face
     tokenizer files that `stapo eval` and transformers load."""
     from transformers import AutoTokenizer
@@ -137,7 +128,7 @@ def test_free_words_run_exercises_s2t_and_its_checkpoint_loads_with_its_tokenize
     from stapo_megatron.data.synthetic import synthetic_vocab
 
     run_dir = tmp_path / "free_words"
-    run(train_command(run_dir, "run.steps=40", "logging.inspect_every=20", *FREE_WORDS))
+    run(train_command(run_dir, "run.steps=40", "logging.inspect_every=5", *FREE_WORDS))
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 41))
     assert sum(r["s2t/candidates"] for r in rows) > 0
@@ -147,9 +138,7 @@ def test_free_words_run_exercises_s2t_and_its_checkpoint_loads_with_its_tokenize
         [sys.executable, "-m", "stapo_megatron.cli", "inspect", str(run_dir)], capture_output=True, text=True
     )
     assert inspect.returncode == 0, inspect.stderr
-    assert re.search(r"^\d+ silenced tokens in [12] dumps \(steps (20|40)\.\.40\)", inspect.stdout, re.M), (
-        inspect.stdout
-    )
+    assert re.search(r"^\d+ silenced tokens in [1-8] dumps \(steps \d+\.\.\d+\)", inspect.stdout, re.M), inspect.stdout
     assert "]]" in inspect.stdout.split("example contexts")[1]  # contexts around the silenced tokens
     dumped = [
         json.loads(line)

@@ -149,6 +149,18 @@ class Qwen3Config:
         return embeddings + self.num_hidden_layers * per_layer + h
 
 
+# Megatron pads the vocabulary to a multiple of this (its make_vocab_size_divisible_by default)
+# times the tensor-parallel size, so that each TP rank holds an equal, aligned slice.
+VOCAB_DIVISIBLE_BY = 128
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
+    """The vocabulary size of the embedding and output layers: ``vocab_size`` rounded up to a
+    multiple of ``VOCAB_DIVISIBLE_BY * tensor_parallel``."""
+    multiple = VOCAB_DIVISIBLE_BY * tensor_parallel
+    return -(-vocab_size // multiple) * multiple
+
+
 def pipeline_split(num_layers: int, stages: int) -> tuple[int, ...]:
     """Decoder layers of each pipeline stage, for any number of stages up to ``num_layers``.
 
@@ -175,6 +187,7 @@ def pipeline_split(num_layers: int, stages: int) -> tuple[int, ...]:
         key = (max(first, middle), -middle)
         if best is None or key < best[0]:
             best = (key, (first, *([middle] * middle_stages), last))
+    assert best is not None  # stages <= num_layers: at least one middle count is tried
     return best[1]
 
 

@@ -11,10 +11,12 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from stapo_megatron.models.qwen3.config import Qwen3Config, first_and_last_stage_layers, pipeline_split
-
-# Megatron pads the vocabulary to a multiple of this times the tensor-parallel size.
-VOCAB_DIVISIBLE_BY = 128
+from stapo_megatron.models.qwen3.config import (
+    Qwen3Config,
+    first_and_last_stage_layers,
+    padded_vocab_size,
+    pipeline_split,
+)
 
 
 @functools.cache
@@ -24,11 +26,6 @@ def transformer_engine_available() -> bool:
     except Exception:  # ImportError, or a broken CUDA install raising OSError/RuntimeError
         return False
     return True
-
-
-def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
-    multiple = VOCAB_DIVISIBLE_BY * tensor_parallel
-    return -(-vocab_size // multiple) * multiple
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -43,7 +40,7 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
         super().__init__(hidden_size, eps=eps)
-        self.weight.sequence_parallel = config.sequence_parallel
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]  # Megatron's flag
 
 
 @functools.cache

@@ -60,7 +60,7 @@ def hf_tensor_shapes(arch: Qwen3Config) -> dict[str, tuple[int, ...]]:
     """Every tensor a Hugging Face Qwen3 checkpoint holds, in the order it is exported."""
     h, f, hd = arch.hidden_size, arch.intermediate_size, arch.head_dim
     q, kv = arch.num_attention_heads * hd, arch.num_key_value_heads * hd
-    shapes = {"model.embed_tokens.weight": (arch.vocab_size, h)}
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, h)}
     for layer in range(arch.num_hidden_layers):
         p = f"model.layers.{layer}."
         shapes.update(

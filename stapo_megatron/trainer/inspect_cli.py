@@ -1,14 +1,8 @@
-"""``stapo plot`` and ``stapo inspect``: look at a run."""
+"""``stapo inspect``'s command line; the summary itself is :mod:`stapo_megatron.trainer.inspector`."""
 
 from __future__ import annotations
 
-import argparse
-
-
-def run_plot(args) -> None:
-    from stapo_megatron.trainer.plot import plot_runs
-
-    print(f"wrote {plot_runs(args.run_dirs, args.out, args.window)}")
+from stapo_megatron.config.command import positive_int
 
 
 def run_inspect(args) -> None:
@@ -25,22 +19,7 @@ def run_inspect(args) -> None:
     )
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def register(subparsers) -> None:
-    plot = subparsers.add_parser(
-        "plot", help="PNG curves of one or more runs (reward, entropy, masked fraction, length)"
-    )
-    plot.add_argument("run_dirs", nargs="+", help="run directories (with metrics.jsonl)")
-    plot.add_argument("--out", default=None, help="PNG to write (default: <first run>/curves.png)")
-    plot.add_argument("--window", type=int, default=10, help="moving-average window in steps")
-    plot.set_defaults(func=run_plot)
     inspect = subparsers.add_parser("inspect", help="the most frequently silenced tokens of a run, with contexts")
     inspect.add_argument("run_dir")
     inspect.add_argument("--top", type=int, default=20, help="tokens to list")
