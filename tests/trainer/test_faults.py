@@ -23,7 +23,7 @@ from tests.trainer.runs import FAST, metrics, run, start_session, train_command
         ("data.source=/nonexistent/train.parquet", "data.source: /nonexistent/train.parquet does not exist"),
         ("checkpoint.load_hf=/nonexistent/model", "checkpoint.load_hf: /nonexistent/model is not a directory"),
         ("algo=ppo", "algo: unknown algo preset 'ppo'"),
-        ("model.vocab_size=8", "model.vocab_size: 8 is smaller than the synthetic task's tokenizer (16 tokens)"),
+        ("model.vocab_size=8", "model.vocab_size: 8 is smaller than the synthetic task's tokenizer (24 tokens)"),
         ("checkpoint.resume=required", "checkpoint.resume: required, but"),
     ],
 )

@@ -242,7 +242,7 @@ def test_starting_afresh_in_a_used_directory(tmp_path, capsys):
     )
 
 
-def test_a_cut_off_metrics_line_is_skipped_by_readers_and_repaired_on_resume(tmp_path, capsys):
+def test_a_cut_off_metrics_line_is_skipped_by_readers_and_repaired_on_resume(tmp_path, caplog):
     from stapo_megatron.trainer.inspector import read_dumps
     from stapo_megatron.trainer.plot import plot_runs
 
@@ -250,7 +250,7 @@ def test_a_cut_off_metrics_line_is_skipped_by_readers_and_repaired_on_resume(tmp
     text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "reward/acc'
     (tmp_path / METRICS_FILE).write_text(text)
     assert read_metrics(tmp_path) == rows
-    assert f"{tmp_path / METRICS_FILE}: line 4 is cut off or malformed" in capsys.readouterr().err
+    assert f"{tmp_path / METRICS_FILE}: line 4 is cut off or malformed" in caplog.text
     assert plot_runs([tmp_path]).stat().st_size > 10_000
 
     (tmp_path / "spurious").mkdir()
