@@ -15,7 +15,8 @@ nothing here runs. It gives every ``megatron.core`` module (loaded now or later)
   CPU generator states the way it swaps CUDA ones on a GPU;
 - tensor factories given a CUDA device build the tensor on the CPU;
 
-and it makes ``tensor.type()`` report CUDA type names to Megatron's optimizer package, whose
+Megatron's torch.compile fusion decorator is a no-op (the model does not fuse on the CPU), and
+it makes ``tensor.type()`` report CUDA type names to Megatron's optimizer package, whose
 parameter classification is written against those names, and ``tensor.cuda()`` called from
 Megatron leave the tensor where it is.
 
@@ -186,6 +187,11 @@ def _patch_module(module: types.ModuleType) -> None:
     # vars(module): the module's globals, which typing cannot name
     if getattr(module, "torch", None) is torch:
         vars(module)["torch"] = _TORCH_ON_CPU
+    if module.__name__ == "megatron.core.jit":
+        # Megatron wraps its fusions in torch.compile as its modules are imported, which loads
+        # TorchDynamo (over a second per process); the model turns the fusions off on the CPU, so
+        # they stay plain functions. Megatron's own switch, before any module takes jit_fuser.
+        module.disable_jit_fuser()
     if module.__name__ == "megatron.core.tensor_parallel.random":
         # These helpers reach the CUDA generator through objects imported from torch.cuda.
         vars(module).update(_get_cuda_rng_state=_cpu_rng_get, _set_cuda_rng_state=_cpu_rng_set)

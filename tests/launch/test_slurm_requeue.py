@@ -4,13 +4,14 @@ to an uninterrupted run.
 
 The fast tests check the options, the paths and the generated batch-script code (run by bash with
 stand-ins for srun and scontrol, and a real USR1). The slow test runs the tiny CPU run on the real
-one-node SLURM of tests/slurm/cluster.py with a 2-minute time limit:
+one-node SLURM of tests/slurm/cluster.py with a 2-minute time limit and a 50-second lead:
 
     python -m pytest -m slow tests/launch/test_slurm_requeue.py -rs
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import stat
@@ -204,8 +205,20 @@ def test_no_requeue_beyond_max_requeues(tmp_path):
 
 # ---- the real SLURM -------------------------------------------------------------------------
 
-SETTINGS = ["checkpoint.save_every=0", "logging.tensorboard=false", "logging.progress_bar=false"]
-TIME_LIMIT_S, LEAD_S = 120, 30
+# Every sequence trains (none skipped for a zero advantage) on a small batch: a step takes the
+# same time early and late in the run, so a few steps measure them all.
+SETTINGS = [
+    "checkpoint.save_every=0",
+    "logging.tensorboard=false",
+    "logging.progress_bar=false",
+    "batch.skip_zero_advantage=false",
+    "batch.prompts_per_step=16",
+    "batch.prompts_per_minibatch=16",
+]
+# slurmctld checks time limits every 30 s, so USR1 comes 50 to 80 s before the limit: after 40 to
+# 70 s of an allocation. A longer lead gives shorter allocations (a shorter test), but the signal
+# must come after the ranks have started, or the stale-request cleanup at start-up drops it.
+TIME_LIMIT_S, LEAD_S, SLURM_CHECK_PERIOD_S = 120, 50, 30
 
 
 def _start(command: list[str], env: dict) -> subprocess.Popen:
@@ -225,9 +238,10 @@ def _finish(process: subprocess.Popen, timeout: float) -> None:
 def _steps_for_three_allocations(tmp_path: Path, env: dict) -> int:
     """run.steps that two allocations cannot finish on this machine now.
 
-    A tiny run alone gives the seconds per step and of start-up; SLURM's USR1 comes at the
-    earliest LEAD_S before the limit, so one allocation trains at most TIME_LIMIT_S - LEAD_S -
-    start-up seconds, at this speed at most (the reference run beside the chain slows it).
+    A short run gives the seconds per step and of start-up. USR1 comes at the latest LEAD_S before
+    the limit, so one allocation trains at most TIME_LIMIT_S - LEAD_S - start-up seconds; run.steps
+    is 2.1 times what that allows (the 0.1 for a step time that drifts), and the 30 s window of the
+    signal makes a third allocation train a sixth of the run on average.
     """
     from tests.trainer.runs import metrics, train_command
 
@@ -235,8 +249,10 @@ def _steps_for_three_allocations(tmp_path: Path, env: dict) -> int:
     _finish(_start(train_command(tmp_path / "calibration", "run.steps=12", *SETTINGS), env), timeout=300)
     wall = time.monotonic() - started
     per_step = sorted(row["time/step"] for row in metrics(tmp_path / "calibration"))[6]
-    most_per_allocation = max(TIME_LIMIT_S - LEAD_S - (wall - 12 * per_step), 10) / per_step
-    return max(30, round(2.0 * most_per_allocation))
+    start_up = wall - 12 * per_step
+    assert TIME_LIMIT_S - LEAD_S - SLURM_CHECK_PERIOD_S > start_up + 5, f"start-up takes {start_up:.0f} s here"
+    most_per_allocation = (TIME_LIMIT_S - LEAD_S - start_up) / per_step
+    return max(30, math.ceil(2.1 * most_per_allocation))
 
 
 @pytest.mark.slow
@@ -255,39 +271,35 @@ def test_two_minute_allocations_finish_a_longer_run_bit_identical(slurm_cluster,
     }
     steps = _steps_for_three_allocations(tmp_path, env)
     overrides = [f"run.steps={steps}", *SETTINGS]
-    # the uninterrupted reference trains meanwhile (the chain's length is set by its time limits)
-    reference_dir = tmp_path / "reference"
-    reference = _start(train_command(reference_dir, *overrides), env)
-    try:
-        done = stapo(
-            "submit",
-            "--executor",
-            "slurm",
-            "--account",
-            "stapo",
-            "--partition",
-            PARTITION,
-            "--time",
-            "2",
-            "--signal-lead",
-            str(LEAD_S),
-            "--max-requeues",
-            "8",
-            "--gpus-per-node",
-            "0",
-            "--procs-per-node",
-            "2",
-            "--job-name",
-            "chain",
-            "--wait",
-            "run.output_dir=run",
-            *overrides,
-            env=env,
-            cwd=work,
-            timeout=1200,
-        )
-    finally:
-        _finish(reference, timeout=600)
+    # the uninterrupted reference trains after the chain: beside it, it would slow the chain below the
+    # measured speed and add allocations
+    done = stapo(
+        "submit",
+        "--executor",
+        "slurm",
+        "--account",
+        "stapo",
+        "--partition",
+        PARTITION,
+        "--time",
+        "2",
+        "--signal-lead",
+        str(LEAD_S),
+        "--max-requeues",
+        "8",
+        "--gpus-per-node",
+        "0",
+        "--procs-per-node",
+        "2",
+        "--job-name",
+        "chain",
+        "--wait",
+        "run.output_dir=run",
+        *overrides,
+        env=env,
+        cwd=work,
+        timeout=1200,
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     assert "finished: SUCCEEDED" in done.stdout
     exp_id = experiment_id(done.stdout)
@@ -314,7 +326,8 @@ def test_two_minute_allocations_finish_a_longer_run_bit_identical(slurm_cluster,
     assert len(stopped) == len(states) - 1 and resumed == stopped, (stopped, resumed)
     assert stopped == sorted(stopped) and 0 < stopped[0] and stopped[-1] < steps
     batch_log = (job_dir / f"sbatch_stapo.chain_{job_id}.out").read_text().splitlines()  # with bash's -vx echo
-    assert sum(line.startswith("stapo: USR1, the time limit is 30 s away") for line in batch_log) == len(states) - 1
+    usr1 = f"stapo: USR1, the time limit is {LEAD_S} s away"
+    assert sum(line.startswith(usr1) for line in batch_log) == len(states) - 1
     assert [line for line in batch_log if line.startswith("stapo: the run is not complete")] == [
         f"stapo: the run is not complete (step exit 0, stopped for time: 1); requeue {i} of at most 8"
         for i in range(1, len(states))
@@ -322,6 +335,8 @@ def test_two_minute_allocations_finish_a_longer_run_bit_identical(slurm_cluster,
 
     # the end: every step logged once, in order, and the same parameters as the uninterrupted run
     assert [row["step"] for row in metrics(work / "run")] == list(range(1, steps + 1))
+    reference_dir = tmp_path / "reference"
+    _finish(_start(train_command(reference_dir, *overrides), env), timeout=900)
     final = f"iter_{steps:07d}"
     chained, uninterrupted = checkpoint_tensors(
         work / "run" / "checkpoints" / final, reference_dir / "checkpoints" / final
