@@ -15,6 +15,17 @@ from stapo_megatron.data.synthetic import synthetic_records
 logger = logging.getLogger(__name__)
 
 
+def load_tokenizer(data: DataConfig, tokenizer_dir: str):
+    """The run's tokenizer: the synthetic task's own, or the Hugging Face one in ``tokenizer_dir``."""
+    if data.is_synthetic:
+        from stapo_megatron.data.synthetic import synthetic_tokenizer
+
+        return synthetic_tokenizer(data.synthetic_distractors)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
 def render_prompt(problem: str, template: str = "stapo") -> str:
     """The prompt text: ``template`` is a name in PROMPT_TEMPLATES or a text containing ``{problem}``."""
     text = PROMPT_TEMPLATES.get(template, template)

@@ -19,10 +19,11 @@ interrupts. When the step has ended, the function decides:
   resumes from the latest complete checkpoint (``checkpoint.resume: auto``);
 - after ``--max-requeues`` requeues it does not requeue again: the job fails with a message.
 
-A rank that does not reach a checkpoint before the time limit (a lead shorter than a step and
-its checkpoint) is killed by SLURM; the job then ends TIMEOUT and is not requeued. A signal that
-comes while the ranks are still starting (before rank 0 has cleared a stale STOP file) is lost
-in the same way: the lead is meant to be a small part of the time limit.
+A signal may come while the ranks are still starting: the script exports the allocation's start
+time, and rank 0 clears only a STOP file older than it (left by an earlier run), so a request of
+this allocation stops the run after its first step. A rank that does not reach a checkpoint
+before the time limit (a lead shorter than a step and its checkpoint) is killed by SLURM; the job
+then ends TIMEOUT and is not requeued.
 """
 
 from __future__ import annotations
@@ -95,12 +96,13 @@ def run_dir_for_batch_shell(run_dir: str, job_workdir: str, mounts: list[str], *
 
 def batch_script_lines(run_dir: str, signal_lead_s: int, max_requeues: int) -> str:
     """Bash for NeMo-Run's ``setup_lines``: the USR1 trap and the ``srun`` wrapper described above."""
-    from stapo_megatron.trainer.launcher import STOP_FILE
+    from stapo_megatron.trainer.launcher import ALLOCATION_STARTED_ENV, STOP_FILE
 
     stop_file = shlex.quote(posixpath.join(run_dir, STOP_FILE))
     run_dir = shlex.quote(run_dir)
     return f"""
 # stapo: a run longer than one allocation (stapo_megatron/launch/requeue.py)
+export {ALLOCATION_STARTED_ENV}=$(date +%s)
 stapo_stopping=0
 stapo_stop() {{
     stapo_stopping=1

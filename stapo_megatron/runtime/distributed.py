@@ -172,12 +172,12 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> ParallelCont
     A world started before (tests, tools) is kept, whatever its backend.
     """
     quiet_known_warnings()
-    from megatron.core import parallel_state, tensor_parallel
-
-    if not accelerator_available():
+    if not accelerator_available():  # before Megatron's modules load: they take the CPU view as they do
         from stapo_megatron.runtime import cpu_compat
 
         cpu_compat.install()
+    from megatron.core import parallel_state, tensor_parallel
+
     megatron_fixes.apply()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():

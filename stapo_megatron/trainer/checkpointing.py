@@ -17,7 +17,6 @@ import shutil
 from pathlib import Path
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from stapo_megatron.checkpoint.convert import META_KEY, MODEL_KEY, checkpoint_meta, unwrap
 from stapo_megatron.checkpoint.dist import COMPLETE_MARKER, load_dist, save_dist, staging_dir
@@ -132,6 +131,9 @@ class Checkpointer:
                         f.write(self.name(step))
                     self._prune(step)
             except BaseException as error:  # torch's CheckpointException is not an Exception
+                # here, not at the top: the launcher reads the directory without loading torch's checkpointing
+                from torch.distributed.checkpoint.api import CheckpointException
+
                 if dist.get_rank() == 0:
                     shutil.rmtree(staging_dir(target), ignore_errors=True)  # no partial checkpoint stays
                 if isinstance(error, CheckpointException):

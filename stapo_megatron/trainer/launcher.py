@@ -37,6 +37,9 @@ RESOLVED_CONFIG = "config.yaml"
 STOP_FILE = "STOP"
 ARCHIVE_DIR = "archive"
 LAUNCHER_PID_ENV = "STAPO_LAUNCHER_PID"
+# Set by the requeue batch script (launch/requeue.py): a STOP file newer than this is a request of
+# this allocation, made while the ranks were starting, not one left by an earlier run.
+ALLOCATION_STARTED_ENV = "STAPO_ALLOCATION_STARTED"
 # What belongs to the directory rather than to one run: kept in place by --overwrite.
 _DIRECTORY_ENTRIES = {ARCHIVE_DIR, LOCK_FILE, GUARD_FILE}
 
@@ -70,12 +73,11 @@ def write_resolved_config(cfg: TrainConfig) -> Path:
 def check_data(cfg: TrainConfig) -> None:
     """Load the training prompts as rank 0 will, so that a bad data path, file or row fails here
     in seconds rather than after torchrun and the model have started."""
-    from stapo_megatron.data.prompts import build_prompt_dataset
+    from stapo_megatron.data.prompts import build_prompt_dataset, load_tokenizer
     from stapo_megatron.data.records import DataError
-    from stapo_megatron.trainer.trainer import build_tokenizer
 
     try:
-        tokenizer = build_tokenizer(cfg)
+        tokenizer = load_tokenizer(cfg.data, cfg.hf_tokenizer_dir)
     except OSError as err:
         raise ConfigError(f"tokenizer: cannot load {cfg.hf_tokenizer_dir}: {str(err).splitlines()[0]}") from None
     try:
@@ -105,9 +107,14 @@ def prepare_run_directory(cfg: TrainConfig, overwrite: bool) -> None:
             entry.rename(archive / entry.name)
         logger.info("--overwrite: moved the earlier run (%s) to %s", ", ".join(p.name for p in old), archive)
     stop_file = directory / STOP_FILE
-    if stop_file.exists():
-        stop_file.unlink()
-        logger.info("removed %s, a stop request left by an earlier run", stop_file)
+    if not stop_file.exists():
+        return
+    allocation_started = os.environ.get(ALLOCATION_STARTED_ENV)
+    if allocation_started and stop_file.stat().st_mtime >= float(allocation_started):
+        logger.info("%s: a stop request of this allocation (its time limit is near): one step, then stop", stop_file)
+        return
+    stop_file.unlink()
+    logger.info("removed %s, a stop request left by an earlier run", stop_file)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from stapo_megatron.checkpoint.convert import fill_from_hf, hf_assets, load_model
 from stapo_megatron.checkpoint.hf_io import HFCheckpoint
-from stapo_megatron.data.prompts import default_stop_token_ids
+from stapo_megatron.data.prompts import default_stop_token_ids, load_tokenizer
 from stapo_megatron.loss.metrics import combine_steps
 from stapo_megatron.models.qwen3.parallelize import build_stage
 from stapo_megatron.runtime.distributed import init_distributed
@@ -31,16 +31,6 @@ if TYPE_CHECKING:
     from stapo_megatron.rollout.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
-
-
-def build_tokenizer(cfg: TrainConfig):
-    if cfg.data.is_synthetic:
-        from stapo_megatron.data.synthetic import synthetic_tokenizer
-
-        return synthetic_tokenizer(cfg.data.synthetic_distractors)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(cfg.hf_tokenizer_dir)
 
 
 def stop_token_ids(cfg: TrainConfig, tokenizer) -> list[int]:
@@ -129,7 +119,7 @@ class Trainer:
         self.device = self.ctx.device
         self.arch = cfg.model
         self.params_dtype = getattr(torch, cfg.compute.params_dtype)
-        self.tokenizer = build_tokenizer(cfg)
+        self.tokenizer = load_tokenizer(cfg.data, cfg.hf_tokenizer_dir)
         self.tokenizer_dir = self._tokenizer_files()
         self.stop_requested = False
         # Which of the engine and the trainer holds the GPU, tracked alike on every rank (the weight

@@ -130,6 +130,7 @@ def test_dryrun_asks_for_the_signal_and_carries_the_trap(nemorun_home, capsys, m
 _FAKE_SRUN = """#!/bin/bash
 # a job step: exits $FAKE_EXIT at once, or (FAKE_EXIT=stop) runs until the run's STOP file appears
 touch "$FAKE_DIR/started"
+echo "$STAPO_ALLOCATION_STARTED" > "$FAKE_DIR/allocation_started"
 if [ "$FAKE_EXIT" = stop ]; then
     while [ ! -f "$FAKE_RUN/STOP" ]; do sleep 0.05; done
     rm "$FAKE_RUN/STOP"; exit 0
@@ -178,8 +179,11 @@ def _batch_shell(
 
 
 def test_a_finished_run_ends_the_job(tmp_path):
+    before = int(time.time())
     code, out, scontrol = _batch_shell(tmp_path, tmp_path / "run", "0", None, usr1=False)
     assert code == 0 and scontrol == "" and "stapo:" not in out
+    # the ranks learn when the allocation began (rank 0 keeps a STOP file made since)
+    assert before <= int((tmp_path / "allocation_started").read_text()) <= time.time()
 
 
 def test_usr1_stops_the_run_and_requeues_the_job(tmp_path):

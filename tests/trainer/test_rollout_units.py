@@ -10,13 +10,12 @@ import math
 import pytest
 import torch
 
-from stapo_megatron.data.prompts import build_prompt_dataset
+from stapo_megatron.data.prompts import build_prompt_dataset, load_tokenizer
 from stapo_megatron.data.sampler import PromptSampler
 from stapo_megatron.rewards.result import RewardResult
 from stapo_megatron.rollout.engine import Completion
 from stapo_megatron.trainer.controller import RolloutCollector, step_seed
 from stapo_megatron.trainer.launcher import load_train_config
-from stapo_megatron.trainer.trainer import build_tokenizer
 
 GROUP = 2
 DAPO = ("algo=dapo", "algo.overlong_buffer=1")  # no length penalty for the 1-3 token responses of 4
@@ -59,7 +58,7 @@ def _collect(tmp_path, rounds, *overrides, step=3):
             *overrides,
         ],
     )
-    tokenizer = build_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg.data, cfg.hf_tokenizer_dir)
     dataset = build_prompt_dataset(cfg.data, tokenizer)
     engine, verdicts = _Engine(), _Verdicts(rounds)
     sampler = PromptSampler(len(dataset), seed=0)

@@ -20,7 +20,12 @@ from stapo_megatron.runtime import console, run_lock
 from stapo_megatron.runtime.run_files import NoSpaceError, atomic_open
 from stapo_megatron.runtime.run_lock import LOCK_FILE, RunLock
 from stapo_megatron.trainer.checkpointing import HISTORY_FILE, Checkpointer
-from stapo_megatron.trainer.launcher import load_train_config, prepare_run_directory, write_resolved_config
+from stapo_megatron.trainer.launcher import (
+    ALLOCATION_STARTED_ENV,
+    load_train_config,
+    prepare_run_directory,
+    write_resolved_config,
+)
 from stapo_megatron.trainer.metrics import METRICS_FILE, MetricsLogger, read_metrics
 
 
@@ -210,7 +215,7 @@ def _config(run_dir, *overrides):
     return load_train_config(None, [f"run.output_dir={run_dir}", *overrides])
 
 
-def test_starting_afresh_in_a_used_directory(tmp_path, capsys):
+def test_starting_afresh_in_a_used_directory(tmp_path, capsys, monkeypatch):
     console.configure(rank=0)  # as `stapo` does: messages on stderr
     run_dir = tmp_path / "run"
     checkpointer = Checkpointer(run_dir, keep_last=3)
@@ -229,6 +234,20 @@ def test_starting_afresh_in_a_used_directory(tmp_path, capsys):
     prepare_run_directory(_config(run_dir), overwrite=False)
     assert checkpointer.complete_steps() == [5, 10] and not (run_dir / "STOP").exists()
     assert f"[stapo] removed {run_dir / 'STOP'}, a stop request left by an earlier run\n" in capsys.readouterr().err
+
+    # In a requeued SLURM allocation: a stop request older than the allocation is an earlier run's;
+    # one made since (USR1 while the ranks were starting) is this allocation's, and is kept.
+    monkeypatch.setenv(ALLOCATION_STARTED_ENV, "1000")
+    (run_dir / "STOP").touch()
+    os.utime(run_dir / "STOP", (999, 999))
+    prepare_run_directory(_config(run_dir), overwrite=False)
+    assert not (run_dir / "STOP").exists()
+    (run_dir / "STOP").touch()
+    prepare_run_directory(_config(run_dir), overwrite=False)
+    assert (run_dir / "STOP").exists()
+    assert "a stop request of this allocation (its time limit is near)" in capsys.readouterr().err
+    monkeypatch.delenv(ALLOCATION_STARTED_ENV)
+    (run_dir / "STOP").unlink()
 
     (run_dir / LOCK_FILE).write_text("{}")
     prepare_run_directory(_config(run_dir, "checkpoint.resume=never"), overwrite=True)
