@@ -4,7 +4,7 @@ to an uninterrupted run.
 
 The fast tests check the options, the paths and the generated batch-script code (run by bash with
 stand-ins for srun and scontrol, and a real USR1). The slow test runs the tiny CPU run on the real
-one-node SLURM of tests/slurm/cluster.py with a 2-minute time limit and a 50-second lead:
+one-node SLURM of tests/slurm/cluster.py with a 2-minute time limit and a 60-second lead:
 
     python -m pytest -m slow tests/launch/test_slurm_requeue.py -rs
 """
@@ -219,10 +219,10 @@ SETTINGS = [
     "batch.prompts_per_step=16",
     "batch.prompts_per_minibatch=16",
 ]
-# slurmctld checks time limits every 30 s, so USR1 comes 50 to 80 s before the limit: after 40 to
-# 70 s of an allocation. A longer lead gives shorter allocations (a shorter test), but the signal
-# must come after the ranks have started, or the stale-request cleanup at start-up drops it.
-TIME_LIMIT_S, LEAD_S, SLURM_CHECK_PERIOD_S = 120, 50, 30
+# slurmctld checks time limits every 30 s, so USR1 comes 60 to 90 s before the limit: after 30 to
+# 60 s of an allocation. A longer lead gives shorter allocations (a shorter test, more of them); a
+# signal before the ranks have started still stops the run, after one step.
+TIME_LIMIT_S, LEAD_S, SLURM_CHECK_PERIOD_S = 120, 60, 30
 
 
 def _start(command: list[str], env: dict) -> subprocess.Popen:
@@ -244,8 +244,9 @@ def _steps_for_three_allocations(tmp_path: Path, env: dict) -> int:
 
     A short run gives the seconds per step and of start-up. USR1 comes at the latest LEAD_S before
     the limit, so one allocation trains at most TIME_LIMIT_S - LEAD_S - start-up seconds; run.steps
-    is 2.1 times what that allows (the 0.1 for a step time that drifts), and the 30 s window of the
-    signal makes a third allocation train a sixth of the run on average.
+    is 2.1 times what that allows (the 0.1 for a step time that drifts). The signal's 30 s window
+    makes the chain 3 to 5 allocations long; a start-up longer than the earliest signal would make
+    each allocation train about one step, so it is refused.
     """
     from tests.trainer.runs import metrics, train_command
 

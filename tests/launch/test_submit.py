@@ -107,8 +107,16 @@ def test_gpu_dryrun_sbatch_has_exactly_the_settings(nemorun_home, capsys, monkey
     env = exports(out)
     assert env["NCCL_DEBUG"] == "INFO" and env["HF_HOME"] == "'/data/hf cache'"
     assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    # the requeue script's allocation start, which rank 0 compares a STOP file with
+    assert env["STAPO_ALLOCATION_STARTED"] == "$(date +%s)"
     # in a container the job has the image's PATH: stapo adds nothing else
-    assert set(env) == NEMO_EXPORTS | {"NCCL_DEBUG", "HF_HOME", "CUDA_DEVICE_MAX_CONNECTIONS", "OMP_NUM_THREADS"}
+    assert set(env) == NEMO_EXPORTS | {
+        "NCCL_DEBUG",
+        "HF_HOME",
+        "CUDA_DEVICE_MAX_CONNECTIONS",
+        "OMP_NUM_THREADS",
+        "STAPO_ALLOCATION_STARTED",
+    }
     srun = main_srun(out)
     assert option_values(srun, "--container-image") == ["nvcr.io/nvidia/pytorch:25.01-py3"]
     mounts = option_values(srun, "--container-mounts")[0].split(",")
