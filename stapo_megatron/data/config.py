@@ -21,8 +21,8 @@ PROMPT_TEMPLATES: dict[str, str] = {
 class DataConfig:
     source: str = option(
         "synthetic",
-        "training prompts: 'synthetic' (the a + b mod 10 task with its tiny tokenizer), a .parquet or .jsonl "
-        "file, a directory written by datasets' save_to_disk, or a Hugging Face dataset name",
+        "training prompts: 'synthetic' (the single-digit sums a + b <= 9, with their tiny tokenizer), a .parquet "
+        "or .jsonl file, a directory written by datasets' save_to_disk, or a Hugging Face dataset name",
     )
     format: Literal["auto", "parquet", "jsonl", "hf"] = option(
         "auto", "how to read source; auto: by file suffix, a directory or anything else is a Hugging Face dataset"

@@ -1,18 +1,24 @@
 """The synthetic task for CPU runs, and its tokenizer (real Hugging Face tokenizer files).
 
-Prompts are ``BOS a + b =`` for single digits a and b; the answer is ``(a + b) mod 10``. A
+Prompts are ``BOS a + b =`` for digits a and b with a + b <= 9; the answer is the digit a + b. A
 response may carry free words after its answer: ``7 w3 w8`` then EOS. It is scored by the
 ``free_words`` reward: the first word must be the answer digit and every word after it a free
 word. The free words decide nothing, yet every one of them inherits the response's reward, as the
 filler tokens of a math response do; once the policy is sharp, the rare ones that land in correct
 responses are what STAPO's S2T rule silences. (Free words before the answer move the answer's
 position from response to response, and a from-scratch model then stays for hundreds of steps
-on one constant digit, 0.1 accuracy; after it, the answer is the first token, learnt as fast as
-the free-word-less task.)
+on one constant digit, 0.1 accuracy; after it, the answer is the first token.)
+
+Why sums below 10 and not ``(a + b) mod 10`` over all 100 pairs: the score -(c - a - b)^2 of answer
+c is, up to a term that does not depend on c, a sum of a function of a and one of b, so a readout
+that adds what attention gathers from the two operands already ranks the answers right. The
+modular sum has no such form: a from-scratch model first sits on accuracy 0.1 for a number of
+steps that changes with the seed, the learning rate and even the tensor-parallel layout's rounding
+(measured: accuracy 0.97 after 135 steps of one run at TP=1, 0.64 at TP=2, all else equal).
 
 The vocabulary: three special tokens, the ten digits, ``+``, ``=``, and ``free_tokens`` words
 ``w0`` ... ``wN``. Its size matters to S2T: a from-scratch model starts near uniform over the
-vocabulary, so with more than 1 / tau_p = 500 entries every token starts below S2T's probability
+vocabulary, so with more than 1 / tau_p entries every token starts below S2T's probability
 threshold, and the answer digit is sampled too rarely to learn from.
 """
 
@@ -55,15 +61,15 @@ def synthetic_tokenizer(free_tokens: int):
 
 
 def synthetic_records() -> list[PromptRecord]:
-    """All 100 problems ``a + b =`` (a, b single digits), answer ``(a + b) mod 10``."""
+    """The 55 problems ``a + b =`` (a, b digits, a + b <= 9), answer ``a + b``, rows numbered from 1."""
+    pairs = [(a, b) for a in range(10) for b in range(10 - a)]
     return [
         PromptRecord(
             uid=f"{SYNTHETIC_SOURCE}:{a}+{b}",
             problem=f"{a} + {b} =",
-            answer=str((a + b) % 10),
+            answer=str(a + b),
             source=SYNTHETIC_SOURCE,
-            row=10 * a + b + 1,
+            row=row,
         )
-        for a in range(10)
-        for b in range(10)
+        for row, (a, b) in enumerate(pairs, start=1)
     ]

@@ -2,7 +2,11 @@
 
 Each algorithm is a normal ``stapo train`` run (its own process, lock and run directory
 ``<out>/<algo>``) from the same config, seed and number of steps; only the ``algo`` preset
-differs, and the config is the copy ``<out>/base_config.yaml`` taken at the start.
+differs, and the config is the copy ``<out>/base_config.yaml`` taken at the start. A config whose
+``algo`` section is a preset with fields set on top (the tiny task's ``{preset: stapo, tau_p:
+0.005}``) keeps that section for the run of that preset: those fields are the task's settings of
+that algorithm, and that run is the one ``stapo train`` would make. The other algorithms run their
+presets as published.
 ``--parallel N`` runs N of them at once. A run whose metrics already reach the last step is not
 run again, and an unfinished one continues from its latest checkpoint, so the command can be
 repeated after an interruption. At the end the comparison (table and figures,
@@ -23,6 +27,7 @@ import time
 from pathlib import Path
 
 from stapo_megatron.config import ConfigError, load_config
+from stapo_megatron.config.core import PRESET_KEY, read_yaml
 from stapo_megatron.experiment.report import write_comparison
 from stapo_megatron.runtime.launch import kill_tree
 from stapo_megatron.runtime.run_files import atomic_open
@@ -102,14 +107,24 @@ class EntropyExperiment:
     def run_directory(self, algo: str) -> Path:
         return self.out / algo
 
+    def configured_algo(self) -> str | None:
+        """The preset whose run keeps the config's own ``algo`` section: the one that section names
+        when it sets fields on top of a preset (None when it is a bare preset name or spells out
+        every field)."""
+        section = read_yaml(self.source_config()).get("algo")
+        if isinstance(section, dict) and isinstance(section.get(PRESET_KEY), str) and len(section) > 1:
+            return section[PRESET_KEY]
+        return None
+
     def run_overrides(self) -> dict[str, list[str]]:
         """Every run's ``stapo train`` overrides, each checked as ``stapo train`` checks them
         (a bad preset name or override fails here, before any run starts)."""
         plans = {}
+        configured = self.configured_algo()
         for algo in self.algos:
             overrides = [
                 *self.overrides,
-                f"algo={algo}",
+                *([] if algo == configured else [f"algo={algo}"]),
                 f"run.steps={self.steps}",
                 f"run.seed={self.seed}",
                 f"run.name={algo}",
@@ -267,6 +282,14 @@ def run_experiment(experiment: EntropyExperiment) -> list[Path]:
         f"overlong shaping use a buffer of {OVERLONG_BUFFER_FRACTION:.0%} of batch.max_new_tokens (DAPO: 4096 of "
         "20480).",
     ]
+    configured = experiment.configured_algo()
+    if configured in experiment.algos:
+        section = read_yaml(experiment.source_config())["algo"]
+        fields = ", ".join(f"`{k}: {v}`" for k, v in section.items() if k != PRESET_KEY)
+        heading[-1] += (
+            f" The {configured} run keeps the config's algo section, the preset with {fields} (the task's "
+            "settings, as `stapo train` runs it); the others run their presets as published."
+        )
     inspected = write_inspections(experiment)
     notes = (
         [

@@ -99,15 +99,17 @@ def test_synthetic_tokenizer_is_a_hugging_face_tokenizer(tmp_path):
 
 def test_synthetic_task_through_the_same_record_type():
     records = synthetic_records()
-    assert len(records) == 100 and len({r.problem for r in records}) == 100
-    assert all(r.answer == str(sum(map(int, r.problem[:-2].split(" + "))) % 10) for r in records)
+    sums = [[int(x) for x in r.problem.removesuffix(" =").split(" + ")] for r in records]
+    assert sorted(map(tuple, sums)) == [(a, b) for a in range(10) for b in range(10) if a + b <= 9]
+    assert [r.answer for r in records] == [str(a + b) for a, b in sums]
+    assert [r.row for r in records] == list(range(1, 56))
     tok = synthetic_tokenizer(241)
     dataset = build_prompt_dataset(DataConfig(), tok)
-    assert len(dataset) == 100 and dataset.report.dropped == {}
-    item = dataset[10 * 8 + 7]  # 8 + 7 =
-    assert item.record == PromptRecord("synthetic:8+7", "8 + 7 =", "5", "synthetic", 88)
-    assert item.prompt_ids == (tok.bos_token_id, 11, 13, 10, 14)
-    assert tok.decode(item.prompt_ids, skip_special_tokens=True) == "8 + 7 ="
+    assert len(dataset) == 55 and dataset.report.dropped == {}
+    item = next(dataset[i] for i in range(len(dataset)) if dataset[i].record.problem == "3 + 2 =")
+    assert item.record == PromptRecord("synthetic:3+2", "3 + 2 =", "5", "synthetic", 30)
+    assert item.prompt_ids == (tok.bos_token_id, 6, 13, 5, 14)
+    assert tok.decode(item.prompt_ids, skip_special_tokens=True) == "3 + 2 ="
     # A sampled response "5 w17 w203 EOS" is scored on "5 w17 w203": its first word is the answer,
     # the free words after it decide nothing; anything else after it makes it wrong.
     five, eos = tok.convert_tokens_to_ids("5"), tok.eos_token_id

@@ -184,3 +184,23 @@ def test_without_a_config_the_runs_train_the_packaged_free_words_task(tmp_path):
     plans = experiment.run_overrides()
     assert plans["dapo"][:2] == ["algo=dapo", "run.steps=300"]  # nothing but the experiment's own fields
     assert plans["dapo"][-1] == "algo.overlong_buffer=1"  # a fifth of its 3 response tokens, at least 1
+
+
+def test_the_preset_the_config_sets_fields_on_keeps_them_and_the_others_run_as_published(tmp_path):
+    """The tiny task's algo section is stapo with its own tau_p: the stapo run trains with it, as
+    `stapo train` does; grpo gets its preset, tau_p included. A bare preset name keeps nothing."""
+    experiment = EntropyExperiment(tmp_path / "tiny", algos=("grpo", "stapo"))
+    assert experiment.configured_algo() == "stapo"
+    plans = experiment.run_overrides()
+    assert "algo=grpo" in plans["grpo"] and not any(o.startswith("algo") for o in plans["stapo"])
+    task = load_config(TrainConfig, default_config_path())
+    stapo = load_config(TrainConfig, default_config_path(), plans["stapo"])
+    grpo = load_config(TrainConfig, default_config_path(), plans["grpo"])
+    assert stapo.algo == task.algo and stapo.algo.tau_p != load_config(TrainConfig, None, ["algo=stapo"]).algo.tau_p
+    assert grpo.algo == load_config(TrainConfig, None, ["algo=grpo"]).algo
+    bare = tmp_path / "bare.yaml"
+    text = default_config_path().read_text()
+    section = text[text.index("\nalgo:") : text.index("\noptim:")]
+    bare.write_text(text.replace(section, "\nalgo: stapo"))
+    named = EntropyExperiment(tmp_path / "bare", algos=("stapo",), config=str(bare))
+    assert named.configured_algo() is None and "algo=stapo" in named.run_overrides()["stapo"]

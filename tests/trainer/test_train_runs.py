@@ -113,9 +113,10 @@ def test_tiny_pp2_run_trains_through_the_pipeline_schedule(tmp_path):
     assert rows[-1]["policy/entropy"] < rows[0]["policy/entropy"]
 
 
-# The default task with 241 free words (a 256-token vocabulary): the free words start near or below
-# tau_p = 0.002, so S2T has rare tokens of correct responses to silence from the first steps.
-FREE_WORDS = ["data.synthetic_distractors=241", "model.vocab_size=256"]
+# The default task with 241 free words (a 256-token vocabulary) and the paper's tau_p = 0.002: the
+# free words start near or below it, so S2T has rare tokens of correct responses to silence from
+# the first steps.
+FREE_WORDS = ["data.synthetic_distractors=241", "model.vocab_size=256", "algo.tau_p=0.002"]
 
 
 @pytest.mark.slow
