@@ -208,7 +208,10 @@ class LoggingConfig:
         10, "Save the silenced tokens with their context every this many steps (0: never).", ge=0, le=MAX_STEPS
     )
     inspect_context_tokens: int = option(
-        16, "Tokens of context saved on each side of a silenced token.", ge=0, le=MAX_TOKENS
+        16,
+        "Tokens of context saved on each side of a silenced token (before it: the response, then the prompt).",
+        ge=0,
+        le=MAX_TOKENS,
     )
 
 

@@ -44,9 +44,13 @@ class SpuriousTokenDump:
                     labels = mb["labels"][row]
                     segment = int(mb["segment_ids"][row, position])  # packed rows hold several sequences
                     sequence = int(mb["sequence_index"][segment])
-                    own = response[row] & (mb["segment_ids"][row] == segment)
+                    in_segment = mb["segment_ids"][row] == segment
+                    own = response[row] & in_segment
                     start = int(own.nonzero()[0])
-                    before = labels[max(start - 1, position - self.context) : position].tolist()
+                    # the context before reaches back into the prompt (the question asked); a
+                    # sequence's first label is its second token, so BOS never shows
+                    first = int(in_segment.nonzero()[0])
+                    before = labels[max(first, position - self.context) : position].tolist()
                     after = labels[position + 1 : position + 1 + self.context][
                         own[position + 1 : position + 1 + self.context]
                     ].tolist()

@@ -4,6 +4,7 @@ on a hand-made dump with known counts."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +99,38 @@ def test_inspect_rejects_zero_rows(tmp_path, capsys):
         main(["inspect", str(tmp_path), "--step-rows", "0"])
     assert exit_.value.code == 2
     assert "--step-rows: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_dumped_context_reaches_into_its_own_prompt_and_no_further():
+    """Two sequences packed in one row: the silenced token's context before it is its response and
+    then its own prompt (from the token after BOS), never the sequence packed before it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from stapo_megatron.trainer.inspector import SpuriousTokenDump
+
+    class Tokenizer:
+        def decode(self, ids, skip_special_tokens=False):
+            return " ".join(str(i) for i in ids)
+
+    # sequence 0: BOS 10 20 | 30 31; sequence 1: BOS 11 21 | 32 33 (labels: each sequence's next tokens)
+    labels = torch.tensor([[10, 20, 30, 31, 0, 11, 21, 32, 33, 0]])
+    response = torch.tensor([[0, 0, 1, 1, 0, 0, 0, 1, 1, 0]], dtype=torch.float32)
+    mb = {
+        "labels": labels,
+        "response_mask": response,
+        "segment_ids": torch.tensor([[0] * 5 + [1] * 5]),
+        "sequence_index": torch.tensor([0, 1]),
+        "advantages": response.clone(),
+    }
+    silenced_at = torch.zeros(1, 10, dtype=torch.bool)
+    silenced_at[0, 8] = silenced_at[0, 3] = True
+    selection = SimpleNamespace(keep=(~silenced_at).float(), candidates=silenced_at)
+    stats = SimpleNamespace(logprob=torch.full((1, 10), -6.0), entropy=torch.full((1, 10), 0.5))
+    batch = SimpleNamespace(correct=torch.ones(2))
+    for context, expected in ((16, ["10 20 30", "11 21 32"]), (2, ["20 30", "21 32"])):
+        dump = SpuriousTokenDump(Path("unused"), Tokenizer(), context, ctx=None)
+        entries = dump._entries(7, [[mb]], [[stats]], [[selection]], batch)
+        assert [e["before"] for e in entries] == expected
+        assert [(e["sequence"], e["position"], e["after"]) for e in entries] == [(0, 1, ""), (1, 1, "")]

@@ -515,7 +515,7 @@ def test_the_run_directory_across_runs(tmp_path):
 
     run_dir = tmp_path / "run"
     first = start_session(
-        train_command(run_dir, "run.steps=10000", "checkpoint.save_every=1", "checkpoint.keep_last=2")
+        train_command(run_dir, "run.steps=10000", "checkpoint.save_every=1", "checkpoint.keep_last=2", "optim.lr=1e-3")
     )
     try:
         _wait_for_rows(first, run_dir, 2)

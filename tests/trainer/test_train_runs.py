@@ -147,6 +147,8 @@ def test_free_words_run_exercises_s2t_and_its_checkpoint_loads_with_its_tokenize
         for line in path.read_text().splitlines()
     ]
     assert dumped and all(e["correct"] and e["advantage"] > 0 and e["probability"] < 0.002 for e in dumped)
+    # the context before a silenced free word: the whole prompt (16 tokens reach past it) and the answer
+    assert all(re.fullmatch(r"\d \+ \d = \d( w\d+)*", e["before"]) for e in dumped), dumped[:3]
 
     checkpoint = run_dir / "checkpoints" / "iter_0000040"
     assert (checkpoint / "hf_assets" / "tokenizer.json").is_file()
