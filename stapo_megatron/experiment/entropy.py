@@ -4,7 +4,7 @@ Each algorithm is a normal ``stapo train`` run (its own process, lock and run di
 ``<out>/<algo>``) from the same config, seed and number of steps; only the ``algo`` preset
 differs, and the config is the copy ``<out>/base_config.yaml`` taken at the start. A config whose
 ``algo`` section is a preset with fields set on top (the tiny task's ``{preset: stapo, tau_p:
-0.005}``) keeps that section for the run of that preset: those fields are the task's settings of
+0.006}``) keeps that section for the run of that preset: those fields are the task's settings of
 that algorithm, and that run is the one ``stapo train`` would make. The other algorithms run their
 presets as published.
 ``--parallel N`` runs N of them at once. A run whose metrics already reach the last step is not
