@@ -10,8 +10,6 @@ is allocated. Checked against stages built inside real spawned worlds (tests/lau
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from stapo_megatron.models.qwen3.config import Qwen3Config
@@ -38,10 +36,9 @@ def ensure_single_process_world() -> None:
 
     if dist.is_initialized():
         return
-    from stapo_megatron.runtime.launch import free_port
+    from stapo_megatron.runtime.launch import become_single_rank
 
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    become_single_rank()
     init_distributed(ParallelConfig(), seed=0)
 
 

@@ -48,7 +48,12 @@ class SGLangConfig:
         0, "Disaggregated launch: first GPU index (within CUDA_VISIBLE_DEVICES) the servers use.", ge=0, le=1023
     )
     host: str = option("127.0.0.1", "Address launched servers listen on.")
-    base_port: int = option(0, "Port of server 0 (server i uses base_port + i); 0 picks free ports.", ge=0, le=65535)
+    base_port: int = option(
+        0,
+        "Port of server 0 (server i uses base_port + i); 0 reserves free ones outside the ephemeral range.",
+        ge=0,
+        le=65535,
+    )
     mem_fraction_static: float = option(
         0.8, "Fraction of GPU memory a launched server takes for weights and KV cache.", gt=0, lt=1
     )

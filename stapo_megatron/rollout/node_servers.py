@@ -37,7 +37,7 @@ from stapo_megatron.rollout.sglang_server import (
     wait_healthy,
 )
 from stapo_megatron.rollout.sglang_weights import local_address_towards
-from stapo_megatron.runtime.launch import free_port
+from stapo_megatron.runtime.launch import PortReservation, reserve_port
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ class NodeServers:
         self.restarts: list[int] = []
         self._stop = threading.Event()
         self._supervisor: threading.Thread | None = None
+        self._ports: list[PortReservation] = []
         self._closed = False
         atexit.register(self.shutdown)  # launched servers hold GPUs and must not outlive this process
 
@@ -120,27 +121,23 @@ class NodeServers:
         first = local_index * self.cfg.tp_size
         return tuple(range(first, first + self.cfg.tp_size))
 
+    def _reserve_port(self) -> int:
+        """A port for a server, held until shutdown: a restarted server comes back on the same one
+        (:class:`~stapo_megatron.runtime.launch.PortReservation`)."""
+        reservation = reserve_port(self.cfg.host or "0.0.0.0")
+        self._ports.append(reservation)
+        return reservation.port
+
     def _launch(self) -> None:
         cfg = self.cfg
-        bind_host = cfg.host or "0.0.0.0"
-        taken: set[int] = set()
-
-        def pick_port() -> int:
-            while True:
-                port = free_port(bind_host)
-                if port not in taken:
-                    taken.add(port)
-                    return port
-
         for i in range(self.count):
-            port = cfg.base_port + i if cfg.base_port else pick_port()
-            taken.add(port)
+            port = cfg.base_port + i if cfg.base_port else self._reserve_port()
             argv, env = build_launch_command(
                 cfg,
                 local_index=i,
                 global_index=self.first_index + i,
                 port=port,
-                nccl_port=pick_port(),
+                nccl_port=self._reserve_port(),
                 api_key=self._api_key,
             )
             process = ServerProcess(argv, env, self.log_dir / f"server-{i}.log")
@@ -211,6 +208,8 @@ class NodeServers:
         if self.processes:
             logger.info("sglang: node %d stopping %d server(s)", self.node, len(self.processes))
             terminate_all(self.processes, self.cfg.shutdown_grace_s)
+        for reservation in self._ports:
+            reservation.release()
 
 
 @dataclasses.dataclass

@@ -20,6 +20,7 @@ from pathlib import Path
 from stapo_megatron.rollout.config import SGLangConfig
 from stapo_megatron.rollout.sglang_client import SGLangServerError, TransportError, request
 from stapo_megatron.rollout.sglang_launch import KEY_ENV
+from stapo_megatron.runtime.launch import without_rank_env
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def build_launch_command(
     if cfg.deterministic_inference:
         argv.append("--enable-deterministic-inference")
     argv += list(cfg.extra_args)
-    env = dict(os.environ)
+    env = without_rank_env(os.environ)  # a server is not one of the trainer's ranks
     env.update(cfg.env)
     env[KEY_ENV] = api_key
     return argv, env

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import random
 import signal
 import socket
+import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Mapping
+from pathlib import Path
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from stapo_megatron.config import ConfigError
@@ -79,23 +85,126 @@ def watch_launcher(pid: int, interval: float = 1.0) -> None:
     threading.Thread(target=watch, name="stapo-launcher-watch", daemon=True).start()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on at ``host`` right now (another process may still take it first)."""
+# What torchrun sets for each of its workers (torch.distributed.elastic's local agent). A process a
+# rank starts that is not one of its ranks must not inherit it: SGLang's own tcp:// rendezvous asks
+# torch whether an elastic agent hosts the store (TORCHELASTIC_USE_AGENT_STORE), and a server that
+# inherited "True" from its rank would wait for a store nobody serves.
+RANK_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def without_rank_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` less what makes a process one of torchrun's ranks."""
+    return {k: v for k, v in env.items() if k not in RANK_ENV and not k.startswith("TORCHELASTIC_")}
+
+
+def rendezvous_store(world_size: int, host: str = "127.0.0.1") -> dist.TCPStore:
+    """A TCPStore this process serves for ``world_size`` ranks it starts, as torchrun's agent does.
+
+    It listens on a port the kernel gives it at bind time, so no other process can take the port
+    between choosing and binding it (a free port handed to rank 0 to bind later can be taken). The
+    ranks get its port as MASTER_PORT and ``TORCHELASTIC_USE_AGENT_STORE=True``
+    (:func:`agent_store_env`), so every rank, rank 0 included, joins it as a client.
+    """
+    return dist.TCPStore(host, 0, world_size, True, wait_for_workers=False)
+
+
+def agent_store_env(store: dist.TCPStore, host: str = "127.0.0.1") -> dict[str, str]:
+    return {"MASTER_ADDR": host, "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+_served_stores: list[dist.TCPStore] = []  # the stores of this process's own one-rank worlds, kept alive
+
+
+def become_single_rank() -> None:
+    """torchrun's environment for a world of this process alone, its store served by this process
+    (:func:`rendezvous_store`) unless MASTER_PORT names one already."""
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        _served_stores.append(rendezvous_store(1))
+        os.environ.update(agent_store_env(_served_stores[-1]))
+
+
+PORT_LOCK_DIR = Path(tempfile.gettempdir()) / "stapo_megatron-ports"
+
+
+def _bindable(host: str, port: int) -> bool:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
-def _rank_entry(rank, fn, world_size, port, env, errors, args):
+def reservable_ports() -> list[int]:
+    """Ports outside the kernel's ephemeral range (``ip_local_port_range``), from which it picks
+    for every ``bind(0)`` and outgoing connection of every process: a port chosen from outside it
+    can only be taken by a process that names it."""
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return [*range(max(1024, low - 12000), low), *range(high + 1, 65536)]
+
+
+class PortReservation:
+    """A TCP port held for a server this process starts later, and restarts on the same port.
+
+    Outside the ephemeral range (so a restart finds it free again: no connection takes it while its
+    server is down), locked host-wide against every other stapo process (an exclusive ``flock`` of
+    ``<tmp>/stapo_megatron-ports/<port>.lock``, held until :meth:`release`), and free to bind when
+    reserved (a process that binds it by number later is the one race left).
+    """
+
+    def __init__(self, port: int, lock_fd: int):
+        self.port = port
+        self._lock_fd: int | None = lock_fd
+
+    def release(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor drops the lock
+            self._lock_fd = None
+
+
+def reserve_port(host: str = "127.0.0.1") -> PortReservation:
+    """A :class:`PortReservation` of a random reservable port that ``host`` can bind now."""
+    PORT_LOCK_DIR.mkdir(mode=0o1777, parents=True, exist_ok=True)
+    candidates = reservable_ports()
+    random.SystemRandom().shuffle(candidates)
+    for port in candidates[:512]:
+        fd = os.open(PORT_LOCK_DIR / f"{port}.lock", os.O_RDONLY | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)  # another stapo process holds it
+            continue
+        if _bindable(host, port):
+            return PortReservation(port, fd)
+        os.close(fd)
+    raise OSError(f"no free TCP port to reserve on {host} outside the ephemeral range (512 tried)")
+
+
+def _rank_entry(rank, fn, world_size, store_env, env, errors, args):
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
+        **store_env,
     )
     try:
         fn(*args)
@@ -113,10 +222,11 @@ def spawn_ranks(fn, world_size: int, *args, env: dict[str, str] | None = None) -
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", **(env or {})}
+    store = rendezvous_store(world_size)
     try:
         mp.start_processes(
             _rank_entry,
-            args=(fn, world_size, free_port(), env, errors, args),
+            args=(fn, world_size, agent_store_env(store), env, errors, args),
             nprocs=world_size,
             start_method="spawn",
         )

@@ -299,10 +299,9 @@ def run_train(args) -> None:
         if cfg.parallel.world_size > 1:
             code = launch(cfg, lock)
         else:
-            from stapo_megatron.runtime.launch import free_port
+            from stapo_megatron.runtime.launch import become_single_rank
 
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
+            become_single_rank()
             os.environ[TOKEN_ENV] = lock.holder.token
             run_rank(cfg)
             code = 0

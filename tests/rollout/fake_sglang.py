@@ -12,7 +12,8 @@ its ``server_command`` setting. Process-only behaviour comes from environment va
 
 * ``FAKE_SGLANG_VERSION``: version to report (default 0.5.23);
 * ``FAKE_SGLANG_DIE_FILE``: file holding a count; while it is > 0, a ``/generate`` decrements it and the
-  process exits at once without answering (a crash mid-request);
+  process exits at once without answering (a crash mid-request); servers sharing the file claim each
+  death under a lock of the file, so a count of 1 kills exactly one;
 * ``FAKE_SGLANG_RECORD_DIR``: append every request as one JSON line to ``<dir>/<port>.jsonl``;
 * ``FAKE_SGLANG_SPAWN_CHILD``: start a child process in the server's process group, as SGLang's
   scheduler processes are, and write its pid to ``<record dir>/<port>.child``;
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import fcntl
 import io
 import json
 import logging
@@ -427,17 +429,24 @@ class FakeState:
     def _maybe_die(self) -> None:
         if not self.die_file:
             return
-        with self.lock:
-            try:
-                with open(self.die_file, encoding="utf-8") as f:
-                    left = int(f.read().strip() or 0)
-            except FileNotFoundError:
-                return
+        # Several server processes share the file: the read and the decrement happen under one
+        # exclusive lock of the file itself (a thread lock would let two processes both read "1"
+        # and both die).
+        try:
+            f = open(self.die_file, "r+", encoding="utf-8")
+        except FileNotFoundError:
+            return
+        with f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            left = int(f.read().strip() or 0)
             if left > 0:
-                with open(self.die_file, "w", encoding="utf-8") as f:
-                    f.write(str(left - 1))
+                f.seek(0)
+                f.truncate()
+                f.write(str(left - 1))
+                f.flush()
+                os.fsync(f.fileno())
                 print(f"fake sglang on port {self.port}: dying mid-request as told", flush=True)
-                os._exit(3)
+                os._exit(3)  # the lock goes with the process
 
     def _need_session(self, path: str) -> tuple[int, Any] | None:
         if self.has_session_routes() and not self.session_open:

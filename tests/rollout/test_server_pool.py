@@ -98,6 +98,55 @@ def test_contract_an_unnoticed_restart_is_caught_by_its_weight_version():
         restarted.stop()
 
 
+_RACE_SCRIPT = """
+import multiprocessing as mp, os, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+import fake_sglang
+
+def serve_one_generate(die_file, barrier):
+    state = fake_sglang.FakeState(version="0.5.23", tp_size=1, api_key=None, admin_api_key=None,
+                                  model_path="m", port=os.getpid(), die_file=die_file)
+    barrier.wait()  # the first requests of a step reach every server at once
+    state._maybe_die()
+
+ctx = mp.get_context("fork")
+deaths = []
+for trial, count in enumerate([1] * 100 + [2] * 20):
+    die_file = os.path.join(tempfile.mkdtemp(), "die")
+    with open(die_file, "w") as f:
+        f.write(str(count))
+    barrier = ctx.Barrier(4)
+    servers = [ctx.Process(target=serve_one_generate, args=(die_file, barrier)) for _ in range(4)]
+    for server in servers:
+        server.start()
+    for server in servers:
+        server.join()
+    deaths.append((count, sum(server.exitcode == 3 for server in servers), open(die_file).read()))
+print(deaths)
+"""
+
+
+def test_contract_servers_sharing_a_die_file_lose_exactly_as_many_as_it_counts():
+    """The two-node test kills one of four servers with a count of 1 in a shared file. Read and
+    decrement were once guarded by a thread lock only: two processes could both read 1 and both die
+    (about 6% of trials when their requests arrive together, the test's chance failure)."""
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run(
+        [sys.executable, "-c", _RACE_SCRIPT, str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    deaths = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert len(deaths) == 120
+    assert [(count, died, left) for count, died, left in deaths if died != count or left != "0"] == []
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_contract_servers_on_two_nodes_balance_restart_and_discovery(tmp_path):

@@ -33,6 +33,7 @@ from stapo_megatron.rollout.sglang_engine import (
 )
 from stapo_megatron.rollout.sglang_launch import KEY_ENV
 from stapo_megatron.rollout.sglang_server import build_launch_command
+from stapo_megatron.runtime.launch import reserve_port
 
 try:
     from . import fake_sglang
@@ -691,10 +692,11 @@ def test_restarted_server_gets_a_new_weight_update_group(tmp_path):
 
 
 def test_attached_server_is_awaited_after_it_goes_away():
-    first = FakeSGLangServer(api_key=KEY).start()
-    port = first.port
+    # The server comes and goes on one port: reserved (outside the ephemeral range, locked), so no
+    # connection or bind(0) on the machine can take it while no server listens there.
+    reservation = reserve_port()
+    port = reservation.port
     replacement = []
-    first.stop()
 
     def bring_back():
         time.sleep(0.3)
@@ -715,6 +717,7 @@ def test_attached_server_is_awaited_after_it_goes_away():
         engine.shutdown()
         for server in replacement:
             server.stop()
+        reservation.release()
 
 
 # ---------------------------------------------------------------------------- memory

@@ -7,10 +7,11 @@
 Debian 12's slurm-wlm (22.05), munge, slurmdbd and MariaDB. NeMo-Run reads job states only
 through sacct, so accounting is on: slurmdbd backed by MariaDB. Everything lives in DIR (configs,
 state, spool, logs, pid files, the munge socket and key, the database) and every daemon listens
-on a free port, so a test cluster shares nothing with another one on the same machine. Start
-order: munged -> mariadbd -> slurmdbd -> slurmctld -> slurmd, each waited for; stop is the
-reverse, by pid file. Needs root (SlurmUser=root, the daemons' users). CPU only: the node has
-this machine's CPUs, and no GPUs (gres) are configured.
+on a port reserved for it (outside the ephemeral range, locked host-wide), so a test cluster
+shares nothing with another one on the same machine. Start order: munged -> mariadbd -> slurmdbd
+-> slurmctld -> slurmd, each waited for; stop is the reverse, by pid file. Needs root
+(SlurmUser=root, the daemons' users). CPU only: the node has this machine's CPUs, and no GPUs
+(gres) are configured.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from stapo_megatron.runtime.launch import reserve_port
 
 PACKAGES = ["slurm-wlm", "munge", "slurmdbd", "mariadb-server"]
 BINARIES = [
@@ -79,12 +82,6 @@ def install() -> None:
     still = missing_binaries()
     if still:
         raise ClusterError("installed, but these are missing: " + ", ".join(still))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(what: str, check, timeout: float, log: Path | None = None) -> None:
@@ -298,7 +295,10 @@ class Cluster:
             raise ClusterError("not installed: " + ", ".join(missing) + " (python tests/slurm/cluster.py install)")
         self.root.mkdir(parents=True, exist_ok=True)
         self._ensure_host_resolves()
-        ports = {name: free_port() for name in ("slurmctld", "slurmd", "slurmdbd", "mysql")}
+        # Held until the daemons listen: a port from bind(0), bound by a daemon seconds later, could
+        # be taken meanwhile by any process's bind(0) or outgoing connection (reserve_port).
+        reservations = {name: reserve_port() for name in ("slurmctld", "slurmd", "slurmdbd", "mysql")}
+        ports = {name: reservation.port for name, reservation in reservations.items()}
         self._write_configs(ports)
         try:
             self._start_munge()
@@ -327,6 +327,9 @@ class Cluster:
         except BaseException:
             self.stop()
             raise
+        finally:
+            for reservation in reservations.values():
+                reservation.release()
 
     def _alive(self, daemon: str, pid: int) -> bool:
         child = self._children.get(daemon)
