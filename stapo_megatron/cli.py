@@ -17,7 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     from stapo_megatron.eval import cli as eval_cli
     from stapo_megatron.experiment import cli as experiment_cli
     from stapo_megatron.launch import cli as launch_cli
-    from stapo_megatron.trainer import inspect_cli, plot_cli, train_cli
+    from stapo_megatron.launch import train_cli
+    from stapo_megatron.trainer import inspect_cli, plot_cli
 
     parser = argparse.ArgumentParser(prog="stapo", description="STAPO reinforcement learning of Qwen3 on Megatron-Core")
     subparsers = parser.add_subparsers(dest="command", required=True)

@@ -83,7 +83,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable
-from typing import Literal
+from typing import Any, Literal
 
 from stapo_megatron.config import MAX_BATCH, MAX_TOKENS, ConfigError, apply_overrides, build, option
 from stapo_megatron.config.command import (
@@ -330,10 +330,11 @@ class Estimate:
     @property
     def rollout_phase(self) -> float:
         """The servers' share plus what the trainer keeps while they hold it (at the weight sync)."""
-        kept = max(
-            st.weights if self.offload else st.weights + st.grads + st.optimizer + st.reference for st in self.stages
-        )
-        return kept + self.sglang + self.reserve
+        return max(self.kept_while_generating(st) for st in self.stages) + self.sglang + self.reserve
+
+    def kept_while_generating(self, stage: StageMemory) -> float:
+        """What a rank of ``stage`` keeps on its GPU while the servers hold their share."""
+        return stage.weights if self.offload else stage.weights + stage.grads + stage.optimizer + stage.reference
 
     @property
     def total(self) -> float:
@@ -650,7 +651,12 @@ class PlanConfig:
         None, "Parameter dtype (default: the training config's, else bfloat16)."
     )
     gpu_memory_gb: float = option(80.0, "Memory per GPU in GiB.", gt=0, le=1 << 20)
-    gpus_per_node: int = option(8, "Largest TP considered (TP stays within a node).", ge=1, le=MAX_BATCH)
+    gpus_per_node: int = option(
+        8,
+        "GPUs per node: the largest TP considered (TP stays within a node), and the nodes of --check.",
+        ge=1,
+        le=MAX_BATCH,
+    )
     colocate_fraction: float | None = option(
         None,
         "Fraction of each GPU held by colocated SGLang servers (their mem_fraction_static); 0: separate GPUs "
@@ -691,6 +697,15 @@ class PlanConfig:
     pp: int | None = option(None, "Pipeline stages of the detailed layout.", ge=1, le=MAX_BATCH)
     search: bool = option(False, "With a training config: list layouts instead of the config's own.")
     all: bool = option(False, "List layouts that do not fit too.")
+    check: bool = option(
+        False,
+        "With a training config: check its whole layout on nodes x gpus_per_node GPUs (ranks, groups, servers, "
+        "weight-sync routes, memory of each phase) and refuse one that cannot work (stapo_megatron/launch/layout.py).",
+    )
+    nodes: int | None = option(
+        None, "Nodes of the checked layout (default: the config's world size / gpus_per_node).", ge=1, le=MAX_BATCH
+    )
+    verbose: bool = option(False, "With check: list every weight-sync route.")
 
 
 def _from_config(cfg) -> dict:
@@ -764,13 +779,12 @@ def run_plan(args) -> None:
         show_plan(cfg, names, train)
 
 
-def show_plan(cfg: PlanConfig, names, train) -> None:
+def memory_model(cfg: PlanConfig, train) -> tuple[Workload, dict[str, Any]]:
+    """The workload and :func:`estimate`'s options of ``cfg``, its unset fields taken from the
+    training config ``train`` (None: their defaults)."""
     from stapo_megatron.trainer.config import BatchConfig
 
     defaults = _from_config(train) if train is not None else {}
-    arch = build(Qwen3Config, cfg.model, "plan.model") if cfg.model else defaults.get("model")
-    if arch is None:
-        raise ConfigError("plan.model: give a model preset (e.g. qwen3_32b), or a training config (--config)")
     work = Workload(
         seq_len=_pick(cfg, defaults, "seq_len", field_default(BatchConfig, "max_tokens_per_microbatch")),
         micro_batch=_pick(cfg, defaults, "micro_batch", 1),
@@ -784,9 +798,6 @@ def show_plan(cfg: PlanConfig, names, train) -> None:
         entropy_grad=defaults.get("entropy_grad", False),
         reference_model=defaults.get("reference_model", False),
     )
-    gpus = _pick(cfg, defaults, "gpus", None)
-    if gpus is None:
-        raise ConfigError("plan.gpus: required without a training config (--config)")
     offload = _pick(cfg, defaults, "offload", False)
     options = {
         "gpu_memory_gb": cfg.gpu_memory_gb,
@@ -795,6 +806,33 @@ def show_plan(cfg: PlanConfig, names, train) -> None:
         "sglang_released": _pick(cfg, defaults, "sglang_released", False) or offload,
         "offload": offload,
     }
+    return work, options
+
+
+def show_layout_check(cfg: PlanConfig, train) -> None:
+    from stapo_megatron.launch.layout import Machines, check_train_layout
+
+    if train is None:
+        raise ConfigError("plan.check: checks a training config's layout; give one (--config)")
+    nodes = cfg.nodes or -(-train.parallel.world_size // cfg.gpus_per_node)
+    layout = check_train_layout(train, Machines(nodes, cfg.gpus_per_node), cfg)
+    print(layout.summary())
+    if cfg.verbose:
+        print("\n".join(layout.route_lines()))
+
+
+def show_plan(cfg: PlanConfig, names, train) -> None:
+    if cfg.check:
+        show_layout_check(cfg, train)
+        return
+    defaults = _from_config(train) if train is not None else {}
+    arch = build(Qwen3Config, cfg.model, "plan.model") if cfg.model else defaults.get("model")
+    if arch is None:
+        raise ConfigError("plan.model: give a model preset (e.g. qwen3_32b), or a training config (--config)")
+    work, options = memory_model(cfg, train)
+    gpus = _pick(cfg, defaults, "gpus", None)
+    if gpus is None:
+        raise ConfigError("plan.gpus: required without a training config (--config)")
     print(
         f"{arch.num_parameters():,} parameters; {gpus} GPUs of {cfg.gpu_memory_gb:g} GiB; sequence {work.seq_len} "
         f"tokens x micro-batch {work.micro_batch}; recompute {work.recompute}"
@@ -870,6 +908,9 @@ _PLAN_FLAG_KINDS: tuple[tuple[str, FlagKind], ...] = (
     ("pp", "value"),
     ("search", "true"),
     ("all", "true"),
+    ("check", "true"),
+    ("nodes", "value"),
+    ("verbose", "true"),
 )
 FLAGS = tuple(Flag(f"--{name.replace('_', '-')}", f"plan.{name}", kind=kind) for name, kind in _PLAN_FLAG_KINDS) + (
     Flag("--no-distributed-optimizer", "plan.distributed_optimizer", kind="false"),

@@ -247,6 +247,17 @@ def check_rollout_placement(cfg: TrainConfig, procs: Processes) -> list[str]:
     return notes
 
 
+def check_job_layout(options: SubmitOptions, cfg: TrainConfig, procs: Processes) -> None:
+    """The whole layout on the job's nodes (ranks, groups, servers, weight-sync routes, memory):
+    stapo_megatron/launch/layout.py, with the GPU memory of the config's ``plan:`` section."""
+    from stapo_megatron.launch.layout import Machines, check_train_layout, plan_section
+    from stapo_megatron.trainer.launcher import default_config_path
+
+    on_gpus = procs.gpus_per_node > 0
+    machines = Machines(procs.nodes, procs.gpus_per_node if on_gpus else procs.per_node, on_gpus=on_gpus)
+    check_train_layout(cfg, machines, plan_section(options.config or default_config_path()))
+
+
 def parse_env(items: list[str]) -> dict[str, str]:
     env = {}
     for item in items:
@@ -401,6 +412,7 @@ def prepare(options: SubmitOptions) -> Submission:
     cfg = load_submitted_config(options)
     processes = resolve_processes(options, cfg)
     notes = check_rollout_placement(cfg, processes)
+    check_job_layout(options, cfg, processes)
     parse_env(options.env)
     parse_mounts(options.mounts)
     title = options.job_name or cfg.run.name

@@ -1,8 +1,9 @@
 """The rollout-engine interface shared by training and evaluation.
 
 An engine turns prompt token ids into sampled responses with the per-token log-probs it
-sampled with, loads new weights from a stream of (Hugging Face name, tensor) pairs, can
-release and resume its accelerator memory (for colocation with the trainer), and shuts down.
+sampled with, loads new weights from a stream of (Hugging Face name, tensor) pairs (or says how
+the trainer ranks send them itself), can release and resume its accelerator memory (for
+colocation with the trainer), and shuts down.
 """
 
 from __future__ import annotations
@@ -10,9 +11,12 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from stapo_megatron.rollout.weight_sync.plan import WeightSyncPlan
 
 FinishReason = Literal["stop", "length"]
 
@@ -67,6 +71,15 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
         """Replace the weights with a complete stream of (Hugging Face name, full tensor) pairs."""
+
+    def weight_sync_plan(self) -> WeightSyncPlan | None:
+        """How every trainer rank sends its own share of the weights to this engine (the controller asks,
+        every rank follows); None: the controller streams them all into :meth:`load_weights`."""
+        return None
+
+    def weights_synced(self, version: int) -> None:
+        """The trainer ranks put ``version`` on everything the last :meth:`weight_sync_plan` named."""
+        raise NotImplementedError(f"{type(self).__name__} has no weight_sync_plan to sync through")
 
     @abc.abstractmethod
     def release_memory(self) -> None:

@@ -116,10 +116,7 @@ class NodeServers:
     def _shared_gpus(self, local_index: int) -> tuple[int, ...]:
         """The trainer GPUs server ``local_index`` runs on: colocated placement only (disaggregated
         servers run on GPUs no trainer rank uses)."""
-        if not self.cfg.colocated:
-            return ()
-        first = local_index * self.cfg.tp_size
-        return tuple(range(first, first + self.cfg.tp_size))
+        return self.cfg.server_gpus(local_index) if self.cfg.colocated else ()
 
     def _reserve_port(self) -> int:
         """A port for a server, held until shutdown: a restarted server comes back on the same one

@@ -71,6 +71,7 @@ class PooledServer:
         self.down = False  # not answering: routed around until it answers again
         self.dead = False  # down after its last allowed recovery
         self.stale = False  # came back after a weight update: holds its launch weights
+        self.deterministic = False  # runs with deterministic inference: only then do sampling seeds act
 
     def describe(self) -> str:
         if self.endpoint.log_path:
@@ -113,6 +114,7 @@ class ServerPool:
         _check_preferred_sampling(server, info.get("preferred_sampling_params"))
         server.tp_size = int(info.get("tp_size", server.tp_size))
         server.dp_size = int(info.get("dp_size", 1))
+        server.deterministic = info.get("enable_deterministic_inference") is True
         if server.endpoint.log_path and server.tp_size != server.endpoint.tp_size:
             raise SGLangServerError(
                 f"sglang server {server.describe()} reports tp_size {server.tp_size}, launched with "

@@ -51,7 +51,9 @@ from stapo_megatron.rollout.sglang_client import (
 )
 from stapo_megatron.rollout.sglang_server import connect_host
 from stapo_megatron.rollout.sglang_weights import TensorSerializer, expected_names_from_hf_checkpoint
-from stapo_megatron.rollout.weight_sync import WeightSync, WeightSyncPlan, name_problems
+from stapo_megatron.rollout.weight_sync.plan import WeightSyncPlan
+from stapo_megatron.rollout.weight_sync.session import WeightSync
+from stapo_megatron.rollout.weight_sync.transport import name_problems
 
 __all__ = [
     "NEUTRAL_SAMPLING",
@@ -97,7 +99,8 @@ class SGLangEngine(RolloutEngine):
     ``expected_weight_names`` is the complete set of Hugging Face tensor names :meth:`load_weights`
     must receive (e.g. :func:`expected_names_from_hf_checkpoint`); it is required for weight updates.
     ``tensor_serializer`` turns one bucket into one ``serialized_named_tensors`` entry for colocated
-    sync; the default is SGLang's ``MultiprocessingSerializer`` (imported only when needed).
+    sync; the default (:func:`~stapo_megatron.rollout.sglang_weights.serialize_for_ipc`) is what SGLang's
+    ``MultiprocessingSerializer`` reads.
     """
 
     def __init__(
@@ -149,6 +152,7 @@ class SGLangEngine(RolloutEngine):
         except BaseException:
             self.shutdown()
             raise
+        self._warn_if_seeds_do_not_act()
 
     def _launch_own(self, api_key: str) -> list[ServerEndpoint]:
         cfg = self.config
@@ -193,9 +197,15 @@ class SGLangEngine(RolloutEngine):
         """Per server: prompt + max_new_tokens of every request sent to it so far."""
         return list(self._server_pool.balancer.routed)
 
+    @property
+    def seeds_act(self) -> bool:
+        """Whether every server that is not dead samples seeded requests reproducibly: SGLang uses a
+        request's ``sampling_seed`` only under deterministic inference (``/server_info``)."""
+        return all(s.deterministic for s in self._servers if not s.dead)
+
     def server_status(self) -> list[dict[str, Any]]:
-        """One dict per server: url, node, version, tp_size, recoveries, down, stale, dead, log file, and the
-        pid and restarts of servers this engine launched itself."""
+        """One dict per server: url, node, version, tp_size, recoveries, down, stale, dead, deterministic
+        (seeds act), log file, and the pid and restarts of servers this engine launched itself."""
         owned = {row["url"]: row for row in self._owned.status()} if self._owned else {}
         return [
             {
@@ -207,6 +217,7 @@ class SGLangEngine(RolloutEngine):
                 "down": s.down,
                 "stale": s.stale,
                 "dead": s.dead,
+                "deterministic": s.deterministic,
                 "log_file": s.endpoint.log_path or None,
                 "pid": owned.get(s.url, {}).get("pid"),
                 "restarts": owned.get(s.url, {}).get("restarts"),
@@ -247,7 +258,7 @@ class SGLangEngine(RolloutEngine):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
         """This process sends the whole model to every server: the single-process case of
-        :class:`~stapo_megatron.rollout.weight_sync.WeightSync` (one rank, every server its target).
+        :class:`~stapo_megatron.rollout.weight_sync.session.WeightSync` (one rank, every server its target).
         ``version=None``: one more than the last version sent (0 at first)."""
         with self._lock:
             self._check_open()
@@ -272,8 +283,7 @@ class SGLangEngine(RolloutEngine):
                 self._sync = None
             if self._sync is None:
                 self._sync = WeightSync(None, plan, serializer=self._serializer)
-            # SGLang's serializer ships CUDA IPC handles (CPU shared memory cannot reach the servers);
-            # broadcasts go through the group's device anyway, so pack there too.
+            # On a GPU, IPC handles and broadcasts come straight from device memory, so pack there.
             on_gpu = self._sync_mode != "disk" and torch.cuda.is_available()
             device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
             try:
@@ -305,13 +315,17 @@ class SGLangEngine(RolloutEngine):
                 )
 
     def resume_memory(self, tags: Sequence[str] | None = None) -> None:
-        """Take back memory released by :meth:`release_memory` (``tags`` as there; None = all)."""
+        """Take back memory released by :meth:`release_memory` (``tags`` as there; None = all released)."""
         with self._lock:
             self._check_open()
             tags = self._memory_tags(tags)
+            # Only what was released: SGLang's scheduler dies (KeyError) resuming a tag it never released.
+            resumed = [t for t in (tags or MEMORY_TAGS) if t in self._released]
+            if not resumed:
+                return
             pool = self._server_pool
-            pool.run_all(self._live(), lambda s: pool.control(s, "/resume_memory_occupation", {"tags": tags}))
-            self._released -= set(tags or MEMORY_TAGS)
+            pool.run_all(self._live(), lambda s: pool.control(s, "/resume_memory_occupation", {"tags": resumed}))
+            self._released -= set(resumed)
 
     def shutdown(self) -> None:
         if self._closed:
@@ -332,16 +346,33 @@ class SGLangEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ server state
 
+    def _warn_if_seeds_do_not_act(self) -> None:
+        """Said once, at connect: without deterministic inference SGLang ignores sampling seeds."""
+        plain = [s.url for s in self._servers if not s.deterministic]
+        if plain:
+            logger.warning(
+                "sglang: %d of %d servers (%s) run without deterministic inference, so SGLang ignores the "
+                "sampling seeds: seeded rollouts are not reproducible, and a resumed evaluation samples "
+                "different responses than an uninterrupted one would; deterministic_inference: true in the "
+                "sglang settings launches servers with --enable-deterministic-inference (slower generation)",
+                len(plain),
+                len(self._servers),
+                plain[0] + (", ..." if len(plain) > 1 else ""),
+            )
+
     def _live(self) -> list[PooledServer]:
         return [s for s in self._servers if not (s.down or s.dead)]
 
     def _probe(self, server: PooledServer) -> None:
-        """Before a weight update: a server that died since the last call is taken down (and waited for)."""
+        """Before a weight update: a server that died since the last call is taken down (and waited for).
+
+        Asked through /server_info, which does not generate: /health runs a generation, which a server
+        whose generation is paused holds (SGLang answers 503 after 20 s), so after a failed update, left
+        paused on purpose, /health would take a healthy server down and then call it dead."""
         try:
-            resp = self._server_pool.http(server, "GET", "/health", timeout=30.0)
-            if resp.status == 200:
-                return
-            reason = f"/health answered HTTP {resp.status}"
+            # any answer will do (a 404 from a server older than the route's rename too); 5xx raises
+            self._server_pool.http(server, "GET", "/server_info", timeout=30.0)
+            return
         except SGLangServerError as err:
             reason = str(err)
         with server.lock:
@@ -483,7 +514,7 @@ class SGLangEngine(RolloutEngine):
 
     def weight_sync_plan(self, disk_dir: str | None = None) -> WeightSyncPlan:
         """What every trainer rank needs to push its own share of the weights to these servers
-        (:class:`~stapo_megatron.rollout.weight_sync.WeightSync`; the controller broadcasts it).
+        (:class:`~stapo_megatron.rollout.weight_sync.session.WeightSync`; the controller broadcasts it).
         ``disk_dir`` overrides ``disk_sync_dir`` (load_weights' own directory)."""
         with self._lock:
             self._check_open()
@@ -521,15 +552,9 @@ class SGLangEngine(RolloutEngine):
                 endpoints=endpoints,
                 expected_names=self._expected,
                 api_key=self._api_key,
+                config=cfg,
                 session_servers=frozenset(s.index for s in servers if s.version >= SESSION_VERSION),
-                bucket_bytes=cfg.weight_bucket_bytes,
-                control_timeout_s=cfg.control_timeout_s,
-                transfer_timeout_s=cfg.weight_sync_timeout_s,
-                flush_timeout_s=cfg.flush_timeout_s,
-                group_backend=cfg.weight_sync_backend,
-                master_address=cfg.weight_sync_master_address,
                 disk_dir=disk_dir or cfg.disk_sync_dir,
-                config_from=cfg.model_path,
                 server_restarts=sum(s.recoveries for s in self._servers),
             )
 

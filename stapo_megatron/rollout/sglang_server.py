@@ -49,7 +49,7 @@ def build_launch_command(
         "--tp-size",
         str(cfg.tp_size),
         "--base-gpu-id",
-        str(cfg.base_gpu_id + local_index * cfg.tp_size),
+        str(cfg.server_gpus(local_index)[0]),
         "--mem-fraction-static",
         repr(cfg.mem_fraction_static),
         "--random-seed",

@@ -3,15 +3,20 @@ end of a weight-update process group, and safetensors checkpoints for disk sync.
 
 from __future__ import annotations
 
+import base64
 import datetime
+import io
 import json
 import os
 import shutil
 import socket
 from collections.abc import Callable, Iterable, Sequence
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.multiprocessing import reductions
 
 from stapo_megatron.rollout.sglang_client import SGLangWeightSyncError
 
@@ -46,34 +51,69 @@ def expected_names_from_hf_checkpoint(model_path: str | os.PathLike) -> frozense
     return frozenset(names)
 
 
-def sglang_tensor_serializer() -> TensorSerializer:
-    """SGLang's own ``MultiprocessingSerializer`` (CUDA IPC handles, base64), imported on first use.
+class _IpcPickler(ForkingPickler):
+    """``ForkingPickler`` with a dispatch table of its own for tensors and CPU storages, so no reducer
+    of the process changes: SGLang's ``monkey_patch_torch_reductions`` does the same for every pickle
+    of the process and breaks any later pickling of a CPU tensor (e.g. Megatron's checkpoint writer
+    processes)."""
 
-    sglang is an optional, GPU-only dependency: it is absent on CPU machines and in CI, so the import
-    lives here and only colocated (``tensor``) weight sync needs it.
-    """
-    try:
-        from sglang.srt.utils import MultiprocessingSerializer
-    except ImportError as err:
+    def __init__(self, file):
+        super().__init__(file)
+        self.dispatch_table = {**self.dispatch_table, **_IPC_REDUCERS}
+
+
+_CUDA_DEVICE_ARG = 6  # position of the device index in torch's rebuild_cuda_tensor arguments
+
+
+def _reduce_tensor(tensor: torch.Tensor):
+    """torch's own reduction; a CUDA tensor names its device by UUID, as SGLang's patched reducer sends
+    it: each server process maps the UUID to its own index (its CUDA_VISIBLE_DEVICES may differ)."""
+    reduce = getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)  # unpatched if patched
+    rebuild, args = reduce(tensor)
+    if not tensor.is_cuda:
+        return rebuild, args
+    device = args[_CUDA_DEVICE_ARG] if len(args) > _CUDA_DEVICE_ARG else None
+    if not isinstance(device, int):
         raise SGLangWeightSyncError(
-            "weight_sync 'tensor' needs sglang importable in the trainer process (pip install 'sglang>=0.5.15'); "
-            f"import failed: {err}"
-        ) from None
-    patch = None
-    for module in ("sglang.srt.utils.patch_torch", "sglang.srt.patch_torch"):
-        try:
-            patch = __import__(module, fromlist=["monkey_patch_torch_reductions"]).monkey_patch_torch_reductions
-            break
-        except (ImportError, AttributeError):
-            continue
+            f"torch {torch.__version__} reduces a CUDA tensor without a device index at argument {_CUDA_DEVICE_ARG}; "
+            "the IPC serializer does not know this torch"
+        )
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return rebuild, (*args[:_CUDA_DEVICE_ARG], uuid, *args[_CUDA_DEVICE_ARG + 1 :])
 
-    def serialize(named_tensors: NamedTensors) -> str:
-        if patch is not None:
-            # SGLang's servers rebuild CUDA IPC handles by device UUID; the sender must pickle them the same way.
-            patch()
-        return MultiprocessingSerializer.serialize(named_tensors, output_str=True)
 
-    return serialize
+def _reduce_cpu_storage(storage: torch.UntypedStorage):
+    """A CPU storage as a shared-memory file (torch's ``file_system`` sharing, whatever strategy the process
+    set): a server that is not this process's child can open it, a file descriptor it could not.
+
+    The ``torch_shm_manager`` daemon this starts (once per process) ends by itself, removing any file
+    left, about 2 s after its last client (this process, the servers that opened a file) is gone; it is
+    not ended earlier, which would leave the files of live storages behind and make every later share
+    of this process fail."""
+    if storage.device.type != "cpu":
+        raise SGLangWeightSyncError(f"cannot share a {storage.device.type} storage through CPU shared memory")
+    if storage.size() == 0:
+        return reductions.rebuild_storage_empty, (type(storage),)
+    metadata = storage._share_filename_cpu_()
+    # No reference for the receiver, unlike torch's own file_system reducer (the file would never lose
+    # it and stay in /dev/shm): the bucket outlives the server's answer, and the last close removes it.
+    return reductions.rebuild_storage_filename, (type(storage), *metadata)
+
+
+_IPC_REDUCERS: dict[type, Callable[[Any], Any]] = {
+    torch.Tensor: _reduce_tensor,
+    torch.nn.Parameter: _reduce_tensor,
+    torch.UntypedStorage: _reduce_cpu_storage,
+}
+
+
+def serialize_for_ipc(named_tensors: NamedTensors) -> str:
+    """One ``serialized_named_tensors`` entry as SGLang's ``MultiprocessingSerializer.deserialize`` reads it
+    (base64 of a ``ForkingPickler`` dump): CUDA IPC handles for GPU tensors, shared-memory files for CPU
+    ones. The tensors must stay alive until the server answered."""
+    buffer = io.BytesIO()
+    _IpcPickler(buffer).dump(named_tensors)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def local_address_towards(host: str) -> str:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -274,7 +275,9 @@ def _already_complete(cfg: TrainConfig) -> bool:
     return True
 
 
-def run_train(args) -> None:
+def run_train(args, check_layout: Callable[[TrainConfig, str | os.PathLike | None], None] | None = None) -> None:
+    """``stapo train``: one rank inside torchrun or SLURM, else the whole run from here.
+    ``check_layout(cfg, config_path)`` runs before any rank or server starts."""
     # The run directory, checkpoints, configs and logs of this process and its ranks and servers:
     # this user's only (0700 directories, 0600 files).
     os.umask(0o077)
@@ -291,6 +294,8 @@ def run_train(args) -> None:
             print(run_summary(cfg), flush=True)
         return
     check_data(cfg)
+    if check_layout is not None:
+        check_layout(cfg, args.config)
     with RunLock.acquire(cfg.run.directory) as lock:
         prepare_run_directory(cfg, args.overwrite)
         if _already_complete(cfg):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,7 +22,7 @@ from stapo_megatron.trainer.batch import RolloutBatch, broadcast_rollouts
 from stapo_megatron.trainer.checkpointing import Checkpointer
 from stapo_megatron.trainer.config import TrainConfig
 from stapo_megatron.trainer.controller import RolloutController
-from stapo_megatron.trainer.heartbeat import Heartbeat
+from stapo_megatron.trainer.heartbeat import Heartbeat, job_store
 from stapo_megatron.trainer.inspector import SpuriousTokenDump
 from stapo_megatron.trainer.metrics import PhaseTimer
 from stapo_megatron.trainer.offload import OPTIMIZER, PARAMS, TrainerOffload
@@ -28,7 +30,7 @@ from stapo_megatron.trainer.reference import ReferenceModel
 from stapo_megatron.trainer.update import PolicyUpdater, merge_reporter_metrics
 
 if TYPE_CHECKING:
-    from stapo_megatron.rollout.weight_sync import WeightSync
+    from stapo_megatron.rollout.weight_sync.session import WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +170,8 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep_last, self.ctx)
         self.step = 0
         progress = self._resume()
+        # Started by train(); rank 0's beats reach every rank through the job's store.
+        self.heartbeat = Heartbeat(cfg.run.hang_timeout_s, self.rank, saved_step=self.step, store=job_store())
 
         self.updater = PolicyUpdater(self.model, self.optimizer, cfg, self.arch, self.ctx, reference=self.reference)
         self.inspector = SpuriousTokenDump(self.run_dir, self.tokenizer, cfg.logging.inspect_context_tokens, self.ctx)
@@ -294,7 +298,7 @@ class Trainer:
         """sample -> G rollouts -> rewards -> advantages -> old statistics -> per mini-batch: threshold
         and masked update -> evaluation -> checkpoint. The engine receives the weights when it next
         generates (:meth:`ready_to_generate`)."""
-        heartbeat = Heartbeat(self.cfg.run.hang_timeout_s, self.rank, saved_step=self.step).start()
+        heartbeat = self.heartbeat.start()
         try:
             timer = heartbeat.timer(self.step + 1)
             while self.step < self.cfg.run.steps:
@@ -308,8 +312,7 @@ class Trainer:
                     self.scheduler.step(increment=1)  # once per training step, update or not (see build_scheduler)
                 if self.cfg.eval.every and step % self.cfg.eval.every == 0:
                     self.ready_to_generate(version=step, timer=timer)
-                    with timer("eval"):
-                        metrics.update(self.evaluate(step))
+                    metrics.update(self.evaluate(step, timer))
                 self.step = step
                 after_row = self._log(step, metrics, timer, batch, heartbeat)
                 with after_row("stop_agreement"):
@@ -336,7 +339,7 @@ class Trainer:
             with timer("rollout"):  # sampling bookkeeping; generation and rewards time themselves inside
                 return controller.collect(step, timer)
 
-        batch, metrics = self._on_controller(collect, default=(None, {}))
+        batch, metrics = self._alone_on_controller(collect, (None, {}), "rollout", step, timer)
         self.ready_to_train(timer)
         with timer("broadcast"):
             return broadcast_rollouts(self.ctx, batch), metrics
@@ -349,7 +352,11 @@ class Trainer:
         memory back, the weights are synced from the still-resident parameters, then those leave."""
         if self.offload is not None:
             with timer("offload"):
-                self.moved_bytes["offload"] += self.offload.offload(OPTIMIZER)
+                self.moved_bytes["offload"] += self.offload.offload(OPTIMIZER)  # done on this GPU when it returns
+                if self.engine_released:
+                    # Rank 0 resumes the servers' memory on every GPU of every node: not before every
+                    # rank has given its own up (ready_to_train waits the other way).
+                    dist.barrier(group=self.ctx.cpu_group)
         if self.engine_released:
             with timer("resume"):
                 self._on_controller(RolloutController.resume_engine)
@@ -409,14 +416,18 @@ class Trainer:
 
     def sync_weights(self, version: int) -> None:
         """Every rank sends its own share of the weights: straight to the SGLang servers, or to rank 0's
-        in-process engine (collective; see rollout/weight_sync.py)."""
-        from stapo_megatron.rollout.weight_sync import sync_engine_weights
+        in-process engine (collective; see rollout/weight_sync/session.py)."""
+        from stapo_megatron.rollout.weight_sync.session import sync_engine_weights
 
         engine = self._on_controller(lambda controller: controller.engine)
         self.weight_sync = sync_engine_weights(self.ctx, self.model, self.arch, engine, version, self.weight_sync)
 
-    def evaluate(self, step: int) -> dict:
-        return self._on_controller(lambda controller: controller.evaluate(step), default={})
+    def evaluate(self, step: int, timer: PhaseTimer) -> dict:
+        def run(controller: RolloutController) -> dict:
+            with timer("eval"):
+                return controller.evaluate(step)
+
+        return self._alone_on_controller(run, {}, "eval", step, timer)
 
     def save(self) -> None:
         progress = self._on_controller(
@@ -474,6 +485,19 @@ class Trainer:
         self._on_controller(write_row)
         self.moved_bytes = dict.fromkeys(self.moved_bytes, 0)
         return following
+
+    def _alone_on_controller(
+        self, action: Callable[[RolloutController], Any], default: Any, phase: str, step: int, timer: PhaseTimer
+    ) -> Any:
+        """``action(controller)`` on rank 0 while every other rank waits for it in a barrier (``default``
+        there). Rollouts and evaluation may outlast run.hang_timeout_s: rank 0 beats through them (their
+        requests and rewards have time limits of their own) and the waiting ranks beat whenever rank 0
+        does: a long rollout ends no rank, and a lost or frozen rank 0 still ends those waiting for it."""
+        with self.heartbeat.keep_alive() if self.controller is not None else contextlib.nullcontext():
+            result = self._on_controller(action, default)
+        with timer(phase), self.heartbeat.following_rank0(phase, step):
+            dist.barrier(group=self.ctx.cpu_group)
+        return result
 
     def _on_controller(self, action, default=None):
         """``action(controller)`` on the controller rank (rank 0, which alone holds the rollout side);

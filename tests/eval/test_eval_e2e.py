@@ -225,6 +225,8 @@ def test_the_sglang_engine_gets_the_model_directory(tiny_model, eval_data_dir, t
                     "startup_timeout_s": 60,
                     "shutdown_grace_s": 3,
                     "env": {"FAKE_SGLANG_RECORD_DIR": str(record_dir)},
+                    # seeds act (and the resume below reproduces) only under deterministic inference
+                    "deterministic_inference": True,
                 }
             }
         )
@@ -263,7 +265,7 @@ def test_the_sglang_engine_gets_the_model_directory(tiny_model, eval_data_dir, t
     whole = tmp_path / "out"
     lines = (whole / "responses.jsonl").read_text().splitlines(keepends=True)
     assert len(lines) == 12
-    # Resume with SGLang: the fake samples deterministically from the seeds, so the result is the same.
+    # Resume with SGLang: a deterministic server samples alike from the same seeds, so the result is the same.
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copy(whole / "settings.json", resumed)

@@ -18,7 +18,7 @@ def check_local_engine_matches_megatron(hf_dir: str, tp: int, pp: int) -> None:
     from stapo_megatron.models.qwen3.parallelize import build_stage
     from stapo_megatron.rollout.engine import SamplingParams
     from stapo_megatron.rollout.local_engine import LocalEngine
-    from stapo_megatron.rollout.weight_sync import gather_to_controller
+    from stapo_megatron.rollout.weight_sync.in_process import gather_to_controller
     from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
     from stapo_megatron.trainer.batch import RolloutBatch, broadcast_rollouts, make_microbatches
     from stapo_megatron.trainer.schedule import forward_only

@@ -3,8 +3,11 @@
 It follows the request and response shapes of SGLang's server source (see shared/notes/sglang-api.md)
 and validates request bodies strictly: unknown body keys and, from 0.5.22, unknown ``sampling_params``
 keys answer 400; a missing or wrong API key answers 401; the weight-update session routes exist from
-0.5.21 and are then required around tensor/distributed updates. Tokens and log-probs are a
-deterministic function of the prompt (:func:`fake_sample`), so tests can predict every response.
+0.5.21 and are then required around tensor/distributed updates. Unknown keys in control bodies are
+stricter than SGLang, which ignores them: here a client's typo fails instead of passing unnoticed.
+Tokens and log-probs are a deterministic function of the prompt (:func:`fake_sample`), so tests can
+predict every response. ``tests/sglang_real/test_fake_parity.py`` holds the fake's answers against a
+real SGLang 0.5.23 server's.
 
 Use it in a thread (:class:`FakeSGLangServer`) or as a process that accepts ``sglang.launch_server``'s
 flags (``python fake_sglang.py --model-path m --port 30000 ...``), so an engine can launch it through
@@ -19,7 +22,15 @@ its ``server_command`` setting. Process-only behaviour comes from environment va
   scheduler processes are, and write its pid to ``<record dir>/<port>.child``;
 * ``FAKE_SGLANG_STARTUP_S``: answer 503 on the health routes for this long after start;
 * ``FAKE_SGLANG_TOKEN_S``: seconds each ``/generate`` takes per token it may generate (n x
-  max_new_tokens per prompt), as a GPU's decode time grows with them; requests overlap.
+  max_new_tokens per prompt), as a GPU's decode time grows with them; requests overlap;
+* ``FAKE_SGLANG_PAUSED_HEALTH_S``: how long ``/health`` and ``/health_generate`` wait while generation
+  is paused before answering 503 (SGLang: 20 s; also the thread mode's default).
+
+As in SGLang, the health routes run a generation: while generation is paused they wait, then answer
+503. ``sampling_seed`` acts only when the server runs with ``--enable-deterministic-inference``
+(``/server_info`` reports ``enable_deterministic_inference``); without it a seeded sample is a fresh
+draw, so the same seeded request sent twice gets different tokens, as from a real server. Unseeded
+samples stay a function of the prompt and the sample index, so tests can predict them.
 
 Like SGLang, process mode logs its settings (API keys included) through ``logging`` when it starts,
 so a test can see that the launch wrapper keeps the key out of the server's log.
@@ -36,6 +47,7 @@ import io
 import json
 import logging
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -46,6 +58,7 @@ from typing import Any
 
 DEFAULT_VERSION = "0.5.23"
 VOCAB = 50
+PAUSED_HEALTH_S = 20.0  # SGLang's health generation gives up after this long (HEALTH_CHECK_TIMEOUT)
 
 # GenerateReqInput fields a client may send to /generate.
 GENERATE_KEYS = {
@@ -180,6 +193,10 @@ class BadRequest(Exception):
     pass
 
 
+class InvalidSamplingParams(BadRequest):
+    """SGLang rejects sampling_params while decoding the request: HTTP 400 with ``{"error": "..."}``."""
+
+
 class FakeState:
     """Everything the fake remembers; tests read it directly (thread mode) or through /fake/state."""
 
@@ -196,6 +213,8 @@ class FakeState:
         startup_s: float = 0.0,
         die_file: str | None = None,
         token_s: float = 0.0,
+        deterministic: bool = False,
+        paused_health_s: float | None = None,
     ):
         self.version_text = version
         self.version = parse_version(version)
@@ -207,6 +226,12 @@ class FakeState:
         self.record_path = record_path
         self.die_file = die_file
         self.token_s = token_s
+        self.deterministic = deterministic  # --enable-deterministic-inference: only then do seeds act
+        self.paused_health_s = (
+            float(os.environ.get("FAKE_SGLANG_PAUSED_HEALTH_S", PAUSED_HEALTH_S))
+            if paused_health_s is None
+            else paused_health_s
+        )
         self.started = time.monotonic()
         self.startup_s = startup_s
         self.lock = threading.Lock()
@@ -257,6 +282,9 @@ class FakeState:
         if path in ("/health", "/health_generate"):
             if time.monotonic() - self.started < self.startup_s:
                 return 503, b""
+            with self.unpaused:  # the health generation waits for generation to continue, then gives up
+                if not self.unpaused.wait_for(lambda: not self.paused, timeout=self.paused_health_s):
+                    return 503, b""
             return 200, b""
         if path in ("/server_info", "/get_server_info") and method == "GET":
             preferred = json.dumps(self.preferred_sampling_params) if self.preferred_sampling_params else None
@@ -268,6 +296,7 @@ class FakeState:
                 "port": self.port,
                 "skip_tokenizer_init": True,
                 "preferred_sampling_params": preferred,
+                "enable_deterministic_inference": self.deterministic,
             }
         if path in ("/model_info", "/get_model_info") and method == "GET":
             return 200, {"model_path": self.model_path, "is_generation": True, "weight_version": self.weight_version}
@@ -365,11 +394,11 @@ class FakeState:
                     s,
                     int(p.get("max_new_tokens", 128)),
                     set(p.get("stop_token_ids") or ()),
-                    p.get("sampling_seed"),
+                    self._effective_seed(p.get("sampling_seed")),
                 )
                 if abort:
                     tokens, logprobs = tokens[:1], logprobs[:1]
-                    finish = {"type": "abort", "message": "Abort before prefill", "status_code": 503}
+                    finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
                 items.append(
                     {
                         "output_ids": tokens,
@@ -380,6 +409,8 @@ class FakeState:
                             "completion_tokens": len(tokens),
                             "cached_tokens": 0,
                             "weight_version": self.weight_version,
+                            # 0.5.23: which weights produced which output tokens
+                            "weight_versions": [{"version": self.weight_version, "start": 0, "end": len(tokens)}],
                             "e2e_latency": 0.001,
                             "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, tokens)],
                         },
@@ -402,10 +433,17 @@ class FakeState:
                     + "\n"
                 )
 
+    def _effective_seed(self, seed: int | None) -> int | None:
+        """The seed a sample is drawn with: the request's under deterministic inference; otherwise a
+        seeded sample gets a fresh draw, as SGLang ignores ``sampling_seed`` then."""
+        if seed is None or self.deterministic:
+            return seed
+        return secrets.randbits(31)
+
     def _check_sampling(self, p: dict) -> None:
         unknown = set(p) - SAMPLING_KEYS
         if unknown and self.version >= (0, 5, 22):
-            raise BadRequest(f"Unknown sampling parameter(s): {sorted(unknown)}")
+            raise InvalidSamplingParams(f"unknown field(s) {sorted(unknown)} in sampling_params")
         checks = {
             "n": lambda v: isinstance(v, int) and v >= 1,
             "temperature": lambda v: isinstance(v, (int, float)) and v >= 0,
@@ -424,7 +462,7 @@ class FakeState:
         }
         for key, ok in checks.items():
             if key in p and not ok(p[key]):
-                raise BadRequest(f"sampling_params.{key}: invalid value {p[key]!r}")
+                raise InvalidSamplingParams(f"sampling_params.{key}: invalid value {p[key]!r}")
 
     def _maybe_die(self) -> None:
         if not self.die_file:
@@ -456,16 +494,22 @@ class FakeState:
     def begin_weight_update(self, body: dict) -> tuple[int, Any]:
         with self.lock:
             if self.session_open:
-                return 400, {"success": False, "message": "a weight update session is already open"}
+                return 400, {
+                    "success": False,
+                    "message": "a weight-update session is already open; call end_weight_update() first",
+                }
             self.session_open = True
-        return 200, {"success": True, "message": "weight update session started"}
+        return 200, {"success": True, "message": "Success"}
 
     def end_weight_update(self, body: dict) -> tuple[int, Any]:
         with self.lock:
             if not self.session_open:
-                return 400, {"success": False, "message": "no weight update session is open"}
+                return 400, {
+                    "success": False,
+                    "message": "no weight-update session is open; call begin_weight_update() first",
+                }
             self.session_open = False
-        return 200, {"success": True, "message": "weight update session ended"}
+        return 200, {"success": True, "message": "Success"}
 
     def _store(self, path: str, named: list, body: dict) -> None:
         with self.lock:
@@ -592,6 +636,10 @@ class FakeState:
     def resume_memory_occupation(self, body: dict) -> tuple[int, Any]:
         tags = self._tags(body)
         with self.lock:
+            never = sorted(tags - self.released)
+            if never:
+                # SGLang 0.5.23's scheduler raises KeyError here and the whole server exits.
+                return 500, {"error": {"message": f"KeyError: {never[0]!r} was never released (the server dies)"}}
             self.released -= tags
         return 200, None
 
@@ -625,7 +673,11 @@ class FakeState:
                     "session": self.session_open,
                 }
             )
-        return 200, {"success": True, "message": f"Weight version updated to {body['new_version']}"}
+        return 200, {
+            "success": True,
+            "message": f"Weight version updated to {body['new_version']}",
+            "new_version": body["new_version"],
+        }
 
 
 def _handler_for(state: FakeState):
@@ -652,6 +704,8 @@ def _handler_for(state: FakeState):
                 return self._send(401, {"error": "Unauthorized"})
             try:
                 status, payload = state.route(method, path, body)
+            except InvalidSamplingParams as err:
+                status, payload = 400, {"error": str(err)}
             except BadRequest as err:
                 status, payload = 400, {"object": "error", "message": str(err), "type": "Bad Request", "code": 400}
             except Exception as err:  # noqa: BLE001 - a server answers 500, it does not crash
@@ -701,6 +755,8 @@ class FakeSGLangServer:
         api_key: str | None = None,
         admin_api_key: str | None = None,
         model_path: str = "fake/model",
+        deterministic: bool = False,
+        paused_health_s: float | None = None,
     ):
         self.httpd = _HTTPServer(("127.0.0.1", port), None)  # type: ignore[arg-type]
         self.httpd.daemon_threads = True
@@ -712,6 +768,8 @@ class FakeSGLangServer:
             admin_api_key=admin_api_key,
             model_path=model_path,
             port=self.port,
+            deterministic=deterministic,
+            paused_health_s=paused_health_s,
         )
         self.httpd.RequestHandlerClass = _handler_for(self.state)
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
@@ -781,6 +839,7 @@ def main(argv: list[str] | None = None) -> None:
         startup_s=float(os.environ.get("FAKE_SGLANG_STARTUP_S", "0")),
         die_file=os.environ.get("FAKE_SGLANG_DIE_FILE"),
         token_s=float(os.environ.get("FAKE_SGLANG_TOKEN_S", "0")),
+        deterministic=args.enable_deterministic_inference,
     )
     httpd.RequestHandlerClass = _handler_for(state)
     print(f"fake sglang {state.version_text} serving {args.model_path} on {args.host}:{args.port}", flush=True)

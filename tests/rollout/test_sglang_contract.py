@@ -406,6 +406,7 @@ def test_single_prompt_dict_response_is_parsed():
 
 
 def test_seeded_sampling_sends_one_sampling_seed_per_sample(fake):
+    fake.state.deterministic = True  # as launched with --enable-deterministic-inference: only then do seeds act
     prompts = [[1, 2, 3], [4, 5], [6]]
     params = SamplingParams(n=2, max_new_tokens=5, seed=42)
     with SGLangEngine(attach_config(fake.url, max_prompts_per_request=3)) as engine:

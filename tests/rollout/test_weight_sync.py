@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import base64
 import io
+from contextlib import nullcontext
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from stapo_megatron.checkpoint.export import BucketLayout, FlatBucket, TensorSlot
 from stapo_megatron.rollout.endpoints import ServerEndpoint
 from stapo_megatron.rollout.sglang_client import SGLangWeightSyncError, request
-from stapo_megatron.rollout.weight_sync import check_tallies
+from stapo_megatron.rollout.weight_sync.transport import check_tallies
 from stapo_megatron.runtime.launch import spawn_ranks
 from tests.helpers import save_tiny_qwen3
-from tests.rollout.fake_sglang import FakeSGLangServer
+from tests.rollout.fake_sglang import FakeSGLangServer, deserialize_tensors, serialize_tensors
 
 API_KEY = "sync-key"
 
@@ -65,17 +67,30 @@ def sync_on_every_rank(
     from stapo_megatron.checkpoint.hf_io import HFCheckpoint
     from stapo_megatron.models.qwen3.config import Qwen3Config
     from stapo_megatron.models.qwen3.parallelize import build_stage
+    from stapo_megatron.rollout.config import SGLangConfig
     from stapo_megatron.rollout.sglang_weights import expected_names_from_hf_checkpoint
-    from stapo_megatron.rollout.weight_sync import WeightSync, WeightSyncPlan
+    from stapo_megatron.rollout.weight_sync.plan import WeightSyncPlan
+    from stapo_megatron.rollout.weight_sync.session import WeightSync
     from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
-    from tests.rollout.fake_sglang import serialize_tensors
 
     reference = load_file(f"{hf_dir}/model.safetensors")
     expected = expected_names_from_hf_checkpoint(hf_dir)
     assert "lm_head.weight" in expected  # untied: the last stage exports the output layer
     version = 0
+    config = SGLangConfig(
+        weight_bucket_bytes=96 * 1024,
+        weight_sync_backend="gloo",
+        weight_sync_master_address="127.0.0.1",
+        model_path=hf_dir,
+    )
     for tp, pp, dp, per_node, nodes in layouts:
-        endpoints = tuple(ServerEndpoint(**{**s, "node": node}) for s, node in zip(servers, nodes))
+        # Colocated: server i runs on the next GPU of its node. The in-test servers use no GPU, so for NCCL
+        # (which never shares a GPU with a trainer rank) they stand for disaggregated ones.
+        endpoints = tuple(
+            ServerEndpoint(**{**s, "node": node, "gpu_ids": (nodes[:i].count(node),)})
+            for i, (s, node) in enumerate(zip(servers, nodes))
+        )
+        disaggregated = tuple(dataclass_replace(s, gpu_ids=()) for s in endpoints)
         ctx = init_distributed(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp))
         arch = Qwen3Config.from_hf(hf_dir)
         model = build_stage(arch, perform_initialization=False)
@@ -88,15 +103,12 @@ def sync_on_every_rank(
             version += 1
             plan = WeightSyncPlan(
                 mode=mode,
-                endpoints=endpoints,
+                endpoints=disaggregated if mode == "distributed" else endpoints,
                 expected_names=expected,
                 api_key=API_KEY,
+                config=config,
                 session_servers=frozenset(s.index for s in endpoints),
-                bucket_bytes=96 * 1024,
-                group_backend="gloo",
-                master_address="127.0.0.1",
                 disk_dir=disk_dir,
-                config_from=hf_dir,
             )
             before = {s.url: len(_requests(s.url)) for s in endpoints} if ctx.rank == 0 else {}
             sync = WeightSync(ctx, plan, ranks_per_node=per_node, serializer=serialize_tensors)
@@ -113,6 +125,7 @@ def sync_on_every_rank(
             endpoints=endpoints,
             expected_names=expected | {"model.layers.9.mlp.up_proj.weight"},
             api_key=API_KEY,
+            config=config,
             session_servers=frozenset(s.index for s in endpoints),
         )
         before = {s.url: len(_requests(s.url)) for s in endpoints}
@@ -131,14 +144,15 @@ def sync_on_every_rank(
         sync.close()
         dist.barrier(group=ctx.cpu_group)
 
-        # A server that refuses the buckets (it runs TP 1, the plan says 2): the same one-line error on
+        # A server that refuses the buckets (it runs TP 1, the plan says 2 GPUs): the same one-line error on
         # every rank, and generation stays paused, so nothing is served on a mix of weights.
-        wrong = tuple(dataclass_replace(s, tp_size=2) if s.index == 0 else s for s in endpoints)
+        wrong = tuple(dataclass_replace(s, tp_size=2, gpu_ids=(0, 1)) if s.index == 0 else s for s in endpoints)
         plan = WeightSyncPlan(
             mode="tensor",
             endpoints=wrong,
             expected_names=expected,
             api_key=API_KEY,
+            config=config,
             session_servers=frozenset(s.index for s in endpoints),
         )
         sync = WeightSync(ctx, plan, ranks_per_node=per_node, serializer=serialize_tensors)
@@ -215,7 +229,7 @@ def load_local_engine_from_every_rank(hf_dir: str, tp: int, dp: int) -> None:
     from stapo_megatron.models.qwen3.config import Qwen3Config
     from stapo_megatron.models.qwen3.parallelize import build_stage
     from stapo_megatron.rollout.local_engine import LocalEngine
-    from stapo_megatron.rollout.weight_sync import sync_engine_weights
+    from stapo_megatron.rollout.weight_sync.session import sync_engine_weights
     from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
 
     ctx = init_distributed(ParallelConfig(tensor_parallel=tp, data_parallel=dp))
@@ -236,3 +250,241 @@ def load_local_engine_from_every_rank(hf_dir: str, tp: int, dp: int) -> None:
 def test_in_process_engine_gets_every_rank_share_bit_exact_at_tp2_dp2(tmp_path):
     hf_dir = save_tiny_qwen3(tmp_path / "hf", tie=False, seed=5)
     spawn_ranks(load_local_engine_from_every_rank, 4, str(hf_dir), 2, 2)
+
+
+# ---- a replica whose stages are on two nodes: CUDA IPC through relays on each server's node -----------
+
+
+def tag_with_rank(named_tensors) -> str:
+    """The contract serializer, each tensor moved ``rank + 1`` elements into a larger storage: the server
+    side reads which trainer rank made an entry from its storage offset (the values stay the same)."""
+    import torch.distributed as dist
+
+    tag = dist.get_rank() + 1
+    moved = []
+    for name, tensor in named_tensors:
+        storage = torch.empty(tag + tensor.numel(), dtype=tensor.dtype)
+        moved.append((name, storage[tag:].view(tensor.shape).copy_(tensor)))
+    return serialize_tensors(moved)
+
+
+def sync_across_nodes(hf_dir: str, layouts: list[tuple[int, int, int]], server_sets: list[list[dict]]) -> None:
+    """Two "nodes" of two ranks; for each (tp, pp, dp) and each set of colocated servers: one tensor sync,
+    every server holding every tensor once, bit-exact, at the new version."""
+    import os
+
+    import torch.distributed as dist
+
+    from stapo_megatron.checkpoint.convert import fill_from_hf
+    from stapo_megatron.checkpoint.hf_io import HFCheckpoint
+    from stapo_megatron.models.qwen3.config import Qwen3Config
+    from stapo_megatron.models.qwen3.parallelize import build_stage
+    from stapo_megatron.rollout.config import SGLangConfig
+    from stapo_megatron.rollout.sglang_weights import expected_names_from_hf_checkpoint
+    from stapo_megatron.rollout.weight_sync.plan import WeightSyncPlan
+    from stapo_megatron.rollout.weight_sync.session import WeightSync
+    from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
+
+    rank = int(os.environ["RANK"])
+    os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank % 2))  # what WeightSync reads the nodes from
+    reference = load_file(f"{hf_dir}/model.safetensors")
+    expected = expected_names_from_hf_checkpoint(hf_dir)
+    version = 0
+    for tp, pp, dp in layouts:
+        ctx = init_distributed(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp))
+        arch = Qwen3Config.from_hf(hf_dir)
+        model = build_stage(arch, perform_initialization=False)
+        fill_from_hf(model, arch, HFCheckpoint(hf_dir))
+        for servers in server_sets:
+            version += 1
+            endpoints = tuple(ServerEndpoint(**s) for s in servers)
+            plan = WeightSyncPlan(
+                mode="tensor",
+                endpoints=endpoints,
+                expected_names=expected,
+                api_key=API_KEY,
+                config=SGLangConfig(weight_bucket_bytes=48 * 1024),
+                session_servers=frozenset(s.index for s in endpoints),
+            )
+            before = {s.url: len(_requests(s.url)) for s in endpoints} if rank == 0 else {}
+            sync = WeightSync(ctx, plan, serializer=tag_with_rank)
+            sync.sync(model, arch, version)
+            dist.barrier(group=ctx.cpu_group)
+            if rank == 0:
+                check_sync(list(endpoints), reference, str(version), before, "/update_weights_from_tensor")
+            sync.close()
+            dist.barrier(group=ctx.cpu_group)
+
+
+def test_contract_ipc_reaches_every_server_when_a_replica_spans_two_nodes(tmp_path):
+    hf_dir = save_tiny_qwen3(tmp_path / "hf", tie=False, seed=3, vocab_size=256)
+    per_node = 2
+    # One TP2 server per node, then one TP1 server per GPU.
+    wide = [FakeSGLangServer(api_key=API_KEY, tp_size=2).start() for _ in range(2)]
+    narrow = [FakeSGLangServer(api_key=API_KEY).start() for _ in range(4)]
+    server_sets = [
+        [dict(index=i, url=f.url, node=i, tp_size=2, gpu_ids=(0, 1)) for i, f in enumerate(wide)],
+        [dict(index=i, url=f.url, node=i // 2, tp_size=1, gpu_ids=(i % 2,)) for i, f in enumerate(narrow)],
+    ]
+    try:
+        # Megatron's order puts a replica's pipeline stages on different nodes in both: TP1 PP2 DP2 (stage 0 on
+        # node 0, stage 1 on node 1, both replicas) and TP2 PP2 (one replica, one stage per node).
+        spawn_ranks(sync_across_nodes, 4, str(hf_dir), [(1, 2, 2), (2, 2, 1)], server_sets)
+        posted = 0
+        for fake, server in zip(wide + narrow, server_sets[0] + server_sets[1]):
+            for entry in fake.state.requests:
+                if entry["path"] != "/update_weights_from_tensor":
+                    continue
+                for j, payload in enumerate(entry["body"]["serialized_named_tensors"]):
+                    origins = {divmod(t.storage_offset() - 1, per_node) for _, t in deserialize_tensors(payload)}
+                    # Entry j was made on the server's TP rank j GPU: never by a rank of another node or GPU.
+                    assert origins == {(server["node"], server["gpu_ids"][j])}, (fake.url, j, origins)
+                    posted += 1
+            # lm_head is exported by the last stage only, which is on node 1: node 0 got it through a relay.
+            assert "lm_head.weight" in fake.state.weights
+        assert posted > 0
+    finally:
+        for fake in wide + narrow:
+            fake.stop()
+
+
+# ---- the GPU path's device handling, and the IPC serializer ------------------------------------------------
+
+
+def test_ipc_waits_on_the_buckets_own_gpu_and_frees_its_handles_after(monkeypatch):
+    """A worker thread starts on cuda:0: every CUDA call names the bucket's own device. A bucket in flight
+    never waits for the whole device (the export's TP gathers run on it meanwhile): only for the
+    export's event for it and for the transfer's own stream."""
+    import types
+
+    from stapo_megatron.rollout.weight_sync import tensor, transport
+
+    calls = []
+
+    class Stream:
+        def __init__(self, device=None):
+            self.device = device
+
+        def synchronize(self):
+            calls.append(("stream.synchronize", self.device))
+
+        def wait_event(self, event):
+            calls.append(("stream.wait_event", self.device, event.stream.device))
+
+    class Event:
+        def record(self, stream):
+            self.stream = stream
+            calls.append(("event.record", stream.device))
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("synchronize", device)))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: calls.append(("ipc_collect",)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(device))
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: calls.append(("stream", stream.device)) or nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    layout = BucketLayout(0, (TensorSlot("w", torch.float32, (2,), 0),))
+    gpu3 = torch.device("cuda", 3)
+    on_gpu3 = FlatBucket(layout, {torch.float32: types.SimpleNamespace(is_cuda=True, device=gpu3)})
+
+    tensor.synchronize_for_ipc(on_gpu3)  # one process: no collective in flight
+    assert calls == [("synchronize", gpu3)]
+    calls.clear()
+    ready = transport.ready_event(on_gpu3)  # on the export's thread
+    with transport.transfer_stream(gpu3):
+        transport.wait_for(ready)
+        transport.finish_transfers(gpu3)
+    tensor.release_ipc_memory(gpu3)
+    assert calls == [
+        ("event.record", gpu3),
+        ("set_device", gpu3),
+        ("stream", gpu3),
+        ("stream.wait_event", None, gpu3),  # the thread's current stream: its own, on cuda:3
+        ("stream.synchronize", gpu3),
+        ("ipc_collect",),
+    ]
+    calls.clear()
+    cpu = torch.device("cpu")
+    on_cpu = FlatBucket.allocate(layout, cpu)
+    with transport.transfer_stream(cpu):
+        transport.wait_for(transport.ready_event(on_cpu))
+        transport.finish_transfers(cpu)
+    tensor.synchronize_for_ipc(on_cpu)
+    tensor.release_ipc_memory(cpu)
+    assert calls == []
+
+
+def mixed_cpu_bucket() -> FlatBucket:
+    """A CPU bucket of two dtypes (two flat buffers), random values."""
+    slots = (
+        TensorSlot("model.layers.0.mlp.up_proj.weight", torch.bfloat16, (3, 4), 0),
+        TensorSlot("model.norm.weight", torch.bfloat16, (5,), 12),
+        TensorSlot("lm_head.weight", torch.float32, (2, 2), 0),
+    )
+    bucket = FlatBucket.allocate(BucketLayout(0, slots), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for dtype, buffer in bucket.buffers.items():
+        buffer.copy_(torch.randn(buffer.shape, generator=gen).to(dtype))
+    return bucket
+
+
+def printed(bucket: FlatBucket) -> list[str]:
+    """The bucket's tensors as the receivers print them."""
+    return [f"{name} {t.dtype} {list(t.shape)} {t.float().flatten().tolist()}" for name, t in bucket.named_tensors()]
+
+
+RECEIVER = """
+import base64, pickle, sys, torch
+for name, tensor in pickle.loads(base64.b64decode(sys.stdin.read())):
+    print(name, str(tensor.dtype), list(tensor.shape), tensor.float().flatten().tolist())
+"""
+
+
+def share_cpu_bucket_with_another_process() -> None:
+    """A CPU bucket serialized for IPC loads bit-exact in a process that is not our child, and no
+    reducer of this process changes: a CPU tensor still pickles the ordinary way afterwards."""
+    import gc
+    import os
+    import subprocess
+    import sys
+    from multiprocessing.reduction import ForkingPickler
+    from pathlib import Path
+
+    from torch.multiprocessing import reductions
+
+    from stapo_megatron.rollout.sglang_weights import serialize_for_ipc
+
+    reducers = (reductions.reduce_tensor, dict(ForkingPickler._extra_reducers))
+    bucket = mixed_cpu_bucket()
+    payload = serialize_for_ipc(bucket.named_tensors())
+    loaded = subprocess.run(
+        [sys.executable, "-c", RECEIVER], input=payload, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert loaded.stdout.splitlines() == printed(bucket), loaded.stdout
+    assert (reductions.reduce_tensor, dict(ForkingPickler._extra_reducers)) == reducers
+    ForkingPickler.dumps(torch.ones(3))  # what broke after SGLang's process-wide patch
+    assert list(Path("/dev/shm").glob(f"torch_{os.getpid()}_*"))  # the bucket's files, until it is freed
+    del bucket, payload
+    gc.collect()
+    assert not list(Path("/dev/shm").glob(f"torch_{os.getpid()}_*"))  # the last close removed them
+
+
+def test_ipc_serializer_shares_cpu_buckets_without_patching_the_process():
+    spawn_ranks(share_cpu_bucket_with_another_process, 1)
+
+
+def test_ipc_serializer_names_a_cuda_tensors_device_by_uuid(monkeypatch):
+    """As SGLang's patched reducer does (each server process maps the UUID to its own device index),
+    through a table of its own: torch's reducers are not replaced."""
+    import types
+
+    from torch.multiprocessing import reductions
+
+    from stapo_megatron.rollout import sglang_weights
+
+    cuda_args = ("cls", (2, 2), (2, 1), 0, "storage", torch.bfloat16, 3, b"handle", 8, 0, False)
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (reductions.rebuild_cuda_tensor, cuda_args))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid=f"GPU-{d}-uuid"))
+    rebuild, args = sglang_weights._IPC_REDUCERS[torch.Tensor](types.SimpleNamespace(is_cuda=True))
+    assert rebuild is reductions.rebuild_cuda_tensor
+    assert args == (*cuda_args[:6], "GPU-3-uuid", *cuda_args[7:])

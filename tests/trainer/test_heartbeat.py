@@ -70,22 +70,23 @@ def test_the_latest_checkpoint_is_what_the_message_names():
 
 
 def test_a_rank_that_keeps_beating_runs_on_and_a_stopped_heartbeat_never_fires():
-    # 12 phases of 0.25 s each: 3 s in all, three times the timeout, but never 1 s without a beat
+    # 60 phases of 0.1 s each: 6 s in all, three times the timeout, but never 2 s without a beat (a
+    # phase only fires the watchdog if the machine stalls the process for 1.9 s)
     done, elapsed = _run("""
-        heartbeat = Heartbeat(1.0, rank=0, saved_step=0).start()
-        for step in range(1, 5):
+        heartbeat = Heartbeat(2.0, rank=0, saved_step=0).start()
+        for step in range(1, 21):
             timer = heartbeat.timer(step)
             for phase in ("rollout", "update", "sync"):
                 with timer(phase):
-                    time.sleep(0.25)
-            assert set(timer.seconds) == {"rollout", "update", "sync"} and min(timer.seconds.values()) >= 0.25
+                    time.sleep(0.1)
+            assert set(timer.seconds) == {"rollout", "update", "sync"} and min(timer.seconds.values()) >= 0.1
         heartbeat.stop()
-        time.sleep(2.0)  # after stop: silence is no hang
+        time.sleep(4.0)  # after stop: silence is no hang
         print("finished")
     """)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "finished" and done.stderr == ""
-    assert elapsed >= 5.0
+    assert elapsed >= 10.0
 
 
 def test_hang_timeout_is_checked_when_the_config_loads():

@@ -287,7 +287,7 @@ def test_phases_around_generation_run_in_the_order_the_gpu_memory_needs(monkeypa
     assert holder.engine_version is None  # released weights are not trusted: the next generation resyncs
     calls.clear()
     Trainer.ready_to_generate(holder, 1, timer)
-    assert calls == ["offload optimizer", "engine resume", "sync 1", "offload params"]
+    assert calls == ["offload optimizer", "barrier", "engine resume", "sync 1", "offload params"]  # all ranks off first
     calls.clear()
     Trainer.ready_to_generate(holder, 1, timer)  # evaluation right after: nothing to move, nothing to sync
     assert calls == ["offload optimizer (already)", "offload params (already)"]

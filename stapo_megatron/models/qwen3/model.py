@@ -1,7 +1,8 @@
 """Qwen3 as a Megatron-Core ``GPTModel``: the plain definition, no parallel layout decisions.
 
 Transformer Engine's layer spec when it imports, Megatron's local spec otherwise: the choice
-is one ``ModuleSpec``, and the fused kernels that need Transformer Engine or apex follow it.
+is one ``ModuleSpec``, and the fused kernels that need Transformer Engine follow it; the fused
+weight-gradient accumulation follows apex's kernel, which Megatron's own linear layers need.
 """
 
 from __future__ import annotations
@@ -24,6 +25,18 @@ def transformer_engine_available() -> bool:
     try:
         import transformer_engine.pytorch  # noqa: F401
     except Exception:  # ImportError, or a broken CUDA install raising OSError/RuntimeError
+        return False
+    return True
+
+
+@functools.cache
+def apex_gradient_accumulation_available() -> bool:
+    """Whether apex's fused weight-gradient kernel imports. Megatron's own ``ColumnParallelLinear``
+    (the output layer, whatever the layer spec) refuses ``gradient_accumulation_fusion`` without it,
+    and Transformer Engine does not bring it: a TE install without apex must leave the flag off."""
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except ImportError:  # what Megatron's layers.py catches for the same module
         return False
     return True
 
@@ -176,7 +189,7 @@ def transformer_config(
         bias_dropout_fusion=fused,
         masked_softmax_fusion=fused,
         apply_rope_fusion=fused,
-        gradient_accumulation_fusion=fused,
+        gradient_accumulation_fusion=apex_gradient_accumulation_available(),
         **recompute_kwargs,
     )
 

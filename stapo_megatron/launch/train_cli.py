@@ -1,4 +1,5 @@
-"""``stapo train``'s command line; the run itself is :mod:`stapo_megatron.trainer.launcher`."""
+"""``stapo train``'s command line: the layout checked (:mod:`stapo_megatron.launch.layout`), then the run
+itself (:mod:`stapo_megatron.trainer.launcher`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ def train_command() -> CommandConfig:
 
 def run_train_command(args) -> None:
     """``stapo train``, once the resume flags and a checkpoint.resume override are known to agree."""
+    from stapo_megatron.launch.layout import check_node_layout
     from stapo_megatron.trainer.launcher import run_train
 
     flag, resume = (
@@ -29,7 +31,7 @@ def run_train_command(args) -> None:
             path, value = parse_override(text)
             if path == ["checkpoint", "resume"] and value != resume:
                 raise ConfigError(f"{flag} and {text}: two values for checkpoint.resume; give one")
-    run_train(args)
+    run_train(args, check_layout=check_node_layout)
 
 
 def register(subparsers) -> None:
