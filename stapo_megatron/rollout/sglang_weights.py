@@ -95,8 +95,11 @@ def _reduce_cpu_storage(storage: torch.UntypedStorage):
     if storage.size() == 0:
         return reductions.rebuild_storage_empty, (type(storage),)
     metadata = storage._share_filename_cpu_()
-    # No reference for the receiver, unlike torch's own file_system reducer (the file would never lose
-    # it and stay in /dev/shm): the bucket outlives the server's answer, and the last close removes it.
+    # One reference per payload, for the one receiver that opens it (rebuild_storage_filename drops
+    # it once its own mapping holds one), as torch's file_system reducer takes: without it, the first
+    # receiver to close its mapping removed the file while the next server was still to open it.
+    # A payload is therefore opened once: one per server TP rank, never reused.
+    storage._shared_incref()
     return reductions.rebuild_storage_filename, (type(storage), *metadata)
 
 
@@ -110,7 +113,7 @@ _IPC_REDUCERS: dict[type, Callable[[Any], Any]] = {
 def serialize_for_ipc(named_tensors: NamedTensors) -> str:
     """One ``serialized_named_tensors`` entry as SGLang's ``MultiprocessingSerializer.deserialize`` reads it
     (base64 of a ``ForkingPickler`` dump): CUDA IPC handles for GPU tensors, shared-memory files for CPU
-    ones. The tensors must stay alive until the server answered."""
+    ones. The tensors must stay alive until the server answered; an entry is for one receiver."""
     buffer = io.BytesIO()
     _IpcPickler(buffer).dump(named_tensors)
     return base64.b64encode(buffer.getvalue()).decode("ascii")

@@ -434,15 +434,20 @@ def printed(bucket: FlatBucket) -> list[str]:
 
 
 RECEIVER = """
-import base64, pickle, sys, torch
-for name, tensor in pickle.loads(base64.b64decode(sys.stdin.read())):
+import base64, gc, pickle, sys, torch
+named = pickle.loads(base64.b64decode(sys.stdin.read()))
+for name, tensor in named:
     print(name, str(tensor.dtype), list(tensor.shape), tensor.float().flatten().tolist())
+del named, tensor  # as a server does once the weights are loaded: its mappings close
+gc.collect()
 """
 
 
 def share_cpu_bucket_with_another_process() -> None:
-    """A CPU bucket serialized for IPC loads bit-exact in a process that is not our child, and no
-    reducer of this process changes: a CPU tensor still pickles the ordinary way afterwards."""
+    """A CPU bucket serialized for IPC loads bit-exact in processes that are not our children, one
+    payload each (the TP ranks of a server, or several servers, one after another: the first to close
+    its mapping once removed the file the next was still to open), and no reducer of this process
+    changes: a CPU tensor still pickles the ordinary way afterwards."""
     import gc
     import os
     import subprocess
@@ -456,15 +461,16 @@ def share_cpu_bucket_with_another_process() -> None:
 
     reducers = (reductions.reduce_tensor, dict(ForkingPickler._extra_reducers))
     bucket = mixed_cpu_bucket()
-    payload = serialize_for_ipc(bucket.named_tensors())
-    loaded = subprocess.run(
-        [sys.executable, "-c", RECEIVER], input=payload, capture_output=True, text=True, timeout=120, check=True
-    )
-    assert loaded.stdout.splitlines() == printed(bucket), loaded.stdout
+    payloads = [serialize_for_ipc(bucket.named_tensors()) for _ in range(3)]
+    for payload in payloads:
+        loaded = subprocess.run(
+            [sys.executable, "-c", RECEIVER], input=payload, capture_output=True, text=True, timeout=120
+        )
+        assert loaded.returncode == 0 and loaded.stdout.splitlines() == printed(bucket), loaded.stderr[-2000:]
     assert (reductions.reduce_tensor, dict(ForkingPickler._extra_reducers)) == reducers
     ForkingPickler.dumps(torch.ones(3))  # what broke after SGLang's process-wide patch
     assert list(Path("/dev/shm").glob(f"torch_{os.getpid()}_*"))  # the bucket's files, until it is freed
-    del bucket, payload
+    del bucket, payloads, payload
     gc.collect()
     assert not list(Path("/dev/shm").glob(f"torch_{os.getpid()}_*"))  # the last close removed them
 

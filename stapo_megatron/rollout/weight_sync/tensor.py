@@ -162,9 +162,10 @@ class TensorTransport(SessionTransport):
             copies = [_copy_to(bucket, torch.device("cuda", gpu)) for gpu in gpus] or [bucket]
             for copy in copies:
                 synchronize_for_ipc(copy)
-            payloads = [self.serializer(copy.named_tensors()) for copy in copies]
-            if len(payloads) == 1:
-                payloads *= server.tp_size  # the GPUs of an attached server are unknown here
+            # An entry per TP rank, each serialized for its one receiver (serialize_for_ipc); the GPUs
+            # of an attached server are unknown here, so its TP ranks share one copy.
+            per_copy = 1 if len(copies) > 1 else server.tp_size
+            payloads = [self.serializer(copy.named_tensors()) for copy in copies for _ in range(per_copy)]
             body = {"serialized_named_tensors": payloads, "flush_cache": False}
             pool.control(server, "/update_weights_from_tensor", body, self.link.plan.transfer_timeout_s)
             self.update.confirm(server.index, bucket.layout.names)
