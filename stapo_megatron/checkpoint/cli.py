@@ -8,6 +8,9 @@ from pathlib import Path
 
 from stapo_megatron.config import ConfigError
 
+# A training checkpoint: <run>/checkpoints/iter_ + the zero-padded step (Checkpointer.name). Any
+# other entry there (a copy iter_0000004.bak, a staging .iter_0000005.partial) is not one.
+CHECKPOINT_NAME = re.compile(r"iter_(\d{7})")
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -19,6 +22,16 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").upper()])
 
 
+def run_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The training checkpoints of a run directory, newest first: the directories of
+    ``<run>/checkpoints/`` named exactly as the trainer names them."""
+    root = Path(run_dir, "checkpoints")
+    if not root.is_dir():
+        return []
+    found = [entry for entry in root.iterdir() if CHECKPOINT_NAME.fullmatch(entry.name) and entry.is_dir()]
+    return sorted(found, reverse=True)  # zero-padded: the names sort as the steps do
+
+
 def newest_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]:
     """The newest checkpoint of a run directory (``<run>/checkpoints/iter_*``) that passes the
     cheap integrity check (every recorded file present at its size, the small files' checksums;
@@ -27,8 +40,7 @@ def newest_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str
     from stapo_megatron.checkpoint.integrity import verify_checkpoint
 
     skipped = []
-    # iter_ + a zero-padded step: the names sort as the steps do
-    for candidate in sorted(Path(run_dir, "checkpoints").glob("iter_*"), reverse=True):
+    for candidate in run_checkpoints(run_dir):
         try:
             verify_checkpoint(candidate, full=False, collective=False)
         except ConfigError as err:
@@ -44,7 +56,7 @@ def _refuse_run_directory(ckpt: Path) -> None:
     from stapo_megatron.checkpoint.dist import COMPLETE_MARKER
 
     run_dir = ckpt.parent if ckpt.name == "checkpoints" else ckpt
-    if (ckpt / COMPLETE_MARKER).exists() or not any(Path(run_dir, "checkpoints").glob("iter_*")):
+    if (ckpt / COMPLETE_MARKER).exists() or not run_checkpoints(run_dir):
         return
     newest, skipped = newest_intact_checkpoint(run_dir)
     where = f"--ckpt: {ckpt} is a run directory, not a checkpoint; its checkpoints are {run_dir / 'checkpoints'}/iter_*"
@@ -53,13 +65,19 @@ def _refuse_run_directory(ckpt: Path) -> None:
     raise ConfigError(f"{where}: the newest intact one is {newest} (pass --ckpt {newest})")
 
 
+OVERWRITE_HELP = (
+    "replace a non-empty --out that stapo convert wrote (an export holding stapo_export.json, or a converted "
+    "checkpoint), once the new output is whole; anything else there is refused and left as it is"
+)
+
+
 def add_hf_to_megatron_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf", required=True, help="Hugging Face Qwen3 checkpoint directory (safetensors)")
     parser.add_argument("--out", required=True, help="Megatron distributed checkpoint directory to write")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to write at")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to write at")
     parser.add_argument("--dtype", default=None, help="parameter dtype (default: the checkpoint's)")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
 
 
 def add_megatron_to_hf_args(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +90,7 @@ def add_megatron_to_hf_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer", default=None, help="copy tokenizer files from here (default: the ones the checkpoint carries)"
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
 
 
 def run_hf_to_megatron(args: argparse.Namespace) -> None:

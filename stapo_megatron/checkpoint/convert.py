@@ -8,15 +8,33 @@ rollout servers uses).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import shutil
+import tempfile
+import time
+import typing
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.checkpoint.dist import ASSETS_DIR, load_common, load_dist, save_dist
+from stapo_megatron.checkpoint.dist import (
+    ASSETS_DIR,
+    COMMON_FILE,
+    COMPLETE_MARKER,
+    check_complete,
+    common_field,
+    foreign_entry,
+    load_common,
+    load_dist,
+    remove_leftover,
+    replaced_dir,
+    save_dist,
+    staging_dir,
+)
 from stapo_megatron.checkpoint.export import (
     DEFAULT_BUCKET_BYTES,
     iter_rank_buckets,
@@ -25,6 +43,10 @@ from stapo_megatron.checkpoint.export import (
     unwrap,
 )
 from stapo_megatron.checkpoint.hf_io import (
+    EVAL_EXPORT_MARKER,
+    EXPORT_MARKER,
+    INDEX_FILE,
+    SINGLE_FILE,
     HFCheckpoint,
     SafetensorsStreamWriter,
     dtype_from_name,
@@ -50,6 +72,14 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+# Everything an export holds: the config, the shards and their index, the tokenizer files, the markers.
+_EXPORT_ENTRY = re.compile(
+    "|".join(
+        [re.escape(name) for name in ("config.json", SINGLE_FILE, INDEX_FILE, EXPORT_MARKER, EVAL_EXPORT_MARKER)]
+        + [re.escape(name) for name in TOKENIZER_FILES]
+        + [r"model-\d{5}-of-\d{5}\.safetensors"]
+    )
+)
 
 
 def hf_assets(directory: str | Path) -> dict[str, Path]:
@@ -63,14 +93,35 @@ def checkpoint_meta(arch: Qwen3Config, params_dtype: torch.dtype) -> dict:
 
 
 def read_meta(directory: str | Path) -> tuple[Qwen3Config, torch.dtype]:
-    """The architecture and parameter dtype a stapo Megatron checkpoint was written with."""
-    meta = load_common(directory).get(META_KEY)
-    if not meta:
+    """The architecture and parameter dtype a stapo Megatron checkpoint was written with; each
+    field of its ``stapo`` entry checked, a wrong one a one-line ConfigError naming it."""
+    common = load_common(directory)
+    if META_KEY not in common:
         raise ConfigError(f"{directory}: has no '{META_KEY}' metadata (not written by stapo_megatron)")
+    source = str(Path(directory) / COMMON_FILE)
+    meta = common_field(common, META_KEY, dict, source)
+    version = common_field(meta, "format", int, source, f"{META_KEY}.format")
+    if version != 1:
+        raise ConfigError(f"{source}: field {META_KEY}.format is {version}; this stapo reads format 1")
+    arch = common_field(meta, "arch", dict, source, f"{META_KEY}.arch")
+    kinds = typing.get_type_hints(Qwen3Config)
+    unknown = sorted(set(arch) - {f.name for f in dataclasses.fields(Qwen3Config)})
+    if unknown:
+        raise ConfigError(f"{source}: field {META_KEY}.arch.{unknown[0]} is not a Qwen3 architecture field")
+    # every field, typed (Qwen3Config checks ranges, not types); a default for a missing one
+    # would build a model of another shape than the stored weights
+    for field in dataclasses.fields(Qwen3Config):
+        common_field(arch, field.name, kinds[field.name], source, f"{META_KEY}.arch.{field.name}")
     try:
-        return Qwen3Config(**meta["arch"]), dtype_from_name(meta["params_dtype"])
-    except (KeyError, TypeError) as err:
-        raise ConfigError(f"{directory}: malformed '{META_KEY}' metadata ({type(err).__name__}: {err})") from None
+        config = Qwen3Config(**arch)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: field {META_KEY}.arch.{err}") from None
+    dtype_name = common_field(meta, "params_dtype", str, source, f"{META_KEY}.params_dtype")
+    try:
+        dtype = dtype_from_name(dtype_name)
+    except ConfigError:
+        raise ConfigError(f"{source}: field {META_KEY}.params_dtype is {dtype_name!r}, not a torch dtype") from None
+    return config, dtype
 
 
 def model_state(model: torch.nn.Module) -> dict:
@@ -166,9 +217,61 @@ def megatron_to_hf_rank(
 # ---- the entry points: check cheaply, then launch the ranks -----------------------------------
 
 
+def _not_replaceable(out_dir: Path) -> str | None:
+    """Why ``--overwrite`` may not replace ``out_dir``, or None: only an output of ``stapo convert``
+    holding nothing it did not write is replaced. A Hugging Face export is known by its
+    :data:`EXPORT_MARKER` (or, from before it, ``stapo eval``'s marker), a Megatron checkpoint by
+    a completion marker that records the checkpoint it was converted from (a training checkpoint
+    records its step instead, and is its run's)."""
+    if any((out_dir / marker).is_file() for marker in (EXPORT_MARKER, EVAL_EXPORT_MARKER)):
+        for entry in sorted(out_dir.iterdir()):
+            if not _EXPORT_ENTRY.fullmatch(entry.name) or entry.is_symlink() or not entry.is_file():
+                return f"{entry.name} in it is not a file an export writes"
+        return None
+    if (out_dir / COMPLETE_MARKER).is_file():
+        try:
+            marker = check_complete(out_dir)
+        except ConfigError as err:
+            return str(err)
+        if "step" in marker:
+            return f"it is a training checkpoint (step {marker['step']}), which belongs to its run"
+        if "source" not in marker:
+            return f"its {COMPLETE_MARKER} records no checkpoint it was converted from"
+        foreign = foreign_entry(out_dir)
+        return None if foreign is None else f"{foreign} in it is not a file a checkpoint holds"
+    return f"it holds neither {EXPORT_MARKER} (an export) nor {COMPLETE_MARKER} (a checkpoint)"
+
+
 def _check_output(out_dir: Path, overwrite: bool) -> None:
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+    """``out_dir`` is free, empty, or (with ``overwrite``) an output of ``stapo convert`` to replace."""
+    if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
+        raise ConfigError(f"--out {out_dir}: exists and is not a directory (give a directory, not a link)")
+    if not out_dir.exists() or not any(out_dir.iterdir()):
+        return
+    if not overwrite:
         raise ConfigError(f"{out_dir}: output directory exists and is not empty (pass --overwrite to replace it)")
+    reason = _not_replaceable(out_dir)
+    if reason:
+        raise ConfigError(
+            f"--out {out_dir}: --overwrite replaces only what stapo convert wrote, and {reason} (move it away, or "
+            "choose another --out)"
+        )
+
+
+def _replace(new: Path, target: Path) -> None:
+    """Put the directory ``new`` at ``target``; what was there is removed only once ``new`` is in place."""
+    if not os.path.lexists(target):
+        os.replace(new, target)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    os.replace(target, old / target.name)
+    try:
+        os.replace(new, target)
+    except BaseException:
+        os.replace(old / target.name, target)
+        old.rmdir()
+        raise
+    shutil.rmtree(old)
 
 
 def convert_hf_to_megatron(
@@ -192,6 +295,9 @@ def convert_hf_to_megatron(
     if dtype:
         dtype_from_name(dtype)
     _check_output(out_dir, overwrite)
+    # what a killed conversion left beside it (refused, and kept, unless a checkpoint write made it)
+    remove_leftover(staging_dir(out_dir))
+    remove_leftover(replaced_dir(out_dir))
     spawn_ranks(hf_to_megatron_rank, tp * pp, str(hf_dir), str(out_dir), tp, pp, dtype)
     return out_dir
 
@@ -214,27 +320,34 @@ def convert_megatron_to_hf(
     # Every file present with its recorded size, the small ones hashed; the ranks hash the rest.
     verify_checkpoint(ckpt_dir, full=False)
     arch, _ = read_meta(ckpt_dir)
+    # The index checked against itself and the data files' sizes here, not once per rank.
+    from stapo_megatron.checkpoint.safe_load import METADATA_FILE, read_dcp_metadata
+
+    read_dcp_metadata(ckpt_dir / METADATA_FILE)
     check_layout(arch, tp, pp)
     if dtype:
         dtype_from_name(dtype)
     if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
         raise ConfigError(f"--tokenizer {tokenizer_dir}: not a directory")
     _check_output(out_dir, overwrite)
-    staging = out_dir.parent / f".{out_dir.name}.partial"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    spawn_ranks(megatron_to_hf_rank, tp * pp, str(ckpt_dir), tp, pp, dtype, max_shard_bytes, str(staging))
-    hf_config = arch.to_hf_dict()
-    if dtype:
-        hf_config["torch_dtype"] = dtype
-    with open(staging / "config.json", "w", encoding="utf-8") as f:
-        json.dump(hf_config, f, indent=2)
-    assets = hf_assets(tokenizer_dir) if tokenizer_dir is not None else hf_assets(ckpt_dir / ASSETS_DIR)
-    for name, source in assets.items():
-        shutil.copy2(source, staging / name)
-    # Replace a previous export only now that the new one is whole.
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(staging, out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # a name of its own: nothing that was there before is ever removed
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    try:
+        spawn_ranks(megatron_to_hf_rank, tp * pp, str(ckpt_dir), tp, pp, dtype, max_shard_bytes, str(staging))
+        hf_config = arch.to_hf_dict()
+        if dtype:
+            hf_config["torch_dtype"] = dtype
+        with open(staging / "config.json", "w", encoding="utf-8") as f:
+            json.dump(hf_config, f, indent=2)
+        assets = hf_assets(tokenizer_dir) if tokenizer_dir is not None else hf_assets(ckpt_dir / ASSETS_DIR)
+        for name, source in assets.items():
+            shutil.copy2(source, staging / name)
+        with open(staging / EXPORT_MARKER, "w", encoding="utf-8") as f:
+            json.dump({"source": str(ckpt_dir), "time": time.time()}, f)
+        # Replace a previous export only now that the new one is whole, and if it still may be.
+        _check_output(out_dir, overwrite)
+        _replace(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out_dir

@@ -11,17 +11,31 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
+from stapo_megatron.checkpoint.files import open_regular
 from stapo_megatron.config import ConfigError
 
 COMPLETE_MARKER = "stapo_complete.json"
+COMMON_FILE = "common.pt"  # megatron.core.dist_checkpointing's name for the non-sharded state
 # Tokenizer and generation files carried with a checkpoint, so an export can restore them.
 ASSETS_DIR = "hf_assets"
+# A marker lists every file with its size and hash: a few hundred bytes per file.
+MAX_MARKER_BYTES = 64 * 1024**2
+# What a checkpoint write puts in its directory (torch_dist's index, its temporary and data
+# files, Megatron's metadata.json and common.pt, the marker, the assets): the only contents a
+# left-over staging or replaced directory may hold for it to be removed without asking.
+CHECKPOINT_ENTRY = re.compile(
+    rf"^(\.metadata(\.tmp)?|metadata\.json|{re.escape(COMMON_FILE)}|__\d+_\d+\.distcp|{re.escape(COMPLETE_MARKER)}|"
+    rf"{ASSETS_DIR})$"
+)
 
 
 def _in_queue_manager(rank_pid: int) -> None:
@@ -74,6 +88,40 @@ def staging_dir(directory: Path) -> Path:
     return directory.parent / f".{directory.name}.partial"
 
 
+def replaced_dir(directory: Path) -> Path:
+    """Where the checkpoint a write replaces waits until the new one is in place."""
+    return directory.parent / f".{directory.name}.old"
+
+
+def foreign_entry(directory: Path) -> str | None:
+    """The first entry of ``directory`` that a checkpoint write does not make (see
+    :data:`CHECKPOINT_ENTRY`; ``hf_assets`` must be a folder of regular files), or None."""
+    for entry in sorted(directory.iterdir()):
+        if not CHECKPOINT_ENTRY.match(entry.name) or entry.is_symlink():
+            return entry.name
+        if entry.name == ASSETS_DIR and not (
+            entry.is_dir() and all(a.is_file() and not a.is_symlink() for a in entry.iterdir())
+        ):
+            return entry.name
+    return None
+
+
+def remove_leftover(path: Path) -> None:
+    """Remove the staging (or replaced) directory of a killed checkpoint write; anything else in
+    its place is a one-line ConfigError and stays: only what a checkpoint write made is removed."""
+    if not os.path.lexists(path):
+        return
+    if path.is_symlink() or not path.is_dir():
+        raise ConfigError(f"{path}: in the way of a checkpoint write, and not a directory one left (move it away)")
+    foreign = foreign_entry(path)
+    if foreign is not None:
+        raise ConfigError(
+            f"{path}: in the way of a checkpoint write, and holds {foreign}, which a checkpoint write never makes "
+            "(move it away)"
+        )
+    shutil.rmtree(path)
+
+
 def save_dist(
     state: dict, directory: str | Path, metadata: dict | None = None, assets: dict[str, Path] | None = None
 ) -> Path:
@@ -85,11 +133,17 @@ def save_dist(
 
     directory = Path(directory)
     staging = staging_dir(directory)
+    refusal: list[str | None] = [None]
     if _rank() == 0:
-        if staging.exists():  # left by a write that was killed
-            shutil.rmtree(staging)
-        staging.mkdir(parents=True)
-    _barrier()
+        try:
+            remove_leftover(staging)  # left by a write that was killed
+            staging.mkdir(parents=True)
+        except ConfigError as err:
+            refusal = [str(err)]
+    if dist.is_initialized():  # every rank raises alike: none waits for rank 0 in a later collective
+        dist.broadcast_object_list(refusal, src=0, group=cpu_group())
+    if refusal[0] is not None:
+        raise ConfigError(refusal[0])
     _use_fork_results_queue()
     dist_checkpointing.save(state, str(staging))
     _barrier()
@@ -105,9 +159,8 @@ def save_dist(
             json.dump({"time": time.time(), **(metadata or {}), "hash": HASH, "files": files}, f)
         if directory.exists():
             # Replace an older checkpoint of the same name only once the new one is whole.
-            trash = directory.parent / f".{directory.name}.old"
-            if trash.exists():
-                shutil.rmtree(trash)
+            trash = replaced_dir(directory)
+            remove_leftover(trash)
             directory.rename(trash)
             staging.rename(directory)
             shutil.rmtree(trash)
@@ -123,20 +176,54 @@ def check_complete(directory: str | Path) -> dict:
     marker = directory / COMPLETE_MARKER
     if not directory.is_dir():
         raise ConfigError(f"{directory}: checkpoint directory does not exist")
-    if not marker.is_file():
-        raise ConfigError(f"{directory}: not a complete stapo checkpoint (no {COMPLETE_MARKER})")
     try:
-        with open(marker, encoding="utf-8") as f:
-            content = json.load(f)
-    except (ValueError, RecursionError):
+        with open_regular(marker) as f:
+            raw = f.read(MAX_MARKER_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"{directory}: not a complete stapo checkpoint (no {COMPLETE_MARKER})") from None
+    if len(raw) > MAX_MARKER_BYTES:
+        raise ConfigError(f"{marker}: damaged completion marker (more than {MAX_MARKER_BYTES} bytes)")
+    try:
+        content = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         raise ConfigError(f"{marker}: damaged completion marker (not JSON)") from None
     if not isinstance(content, dict):
         raise ConfigError(f"{marker}: damaged completion marker (not a JSON object)")
     return content
 
 
-def load_common(directory: str | Path) -> dict:
-    """The non-sharded part of a checkpoint (read on any rank, no model needed), by ``weights_only=True``.
+_KIND_NAMES = {bool: "a bool", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a dict"}
+
+
+def _kind(value: Any) -> str:
+    return _KIND_NAMES.get(type(value), f"a {type(value).__name__}")
+
+
+def common_field(
+    container: Mapping[str, Any], key: str, kind: type | tuple[type, ...], source: str, name: str = ""
+) -> Any:
+    """``container[key]``, a ``kind`` (a bool is no int or float, an int is a float; a dict has str
+    keys), from the non-sharded state of a checkpoint. A missing or mistyped field is a one-line
+    ConfigError naming ``source`` (the ``common.pt``) and the field's dotted ``name`` (default:
+    ``key``), e.g. ``<ckpt>/common.pt: field progress.step is a string, not an integer``."""
+    name = name or key
+    if key not in container:
+        raise ConfigError(f"{source}: field {name} is missing (damaged, or not written by stapo)")
+    value = container[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    accepted = (*kinds, int) if float in kinds else kinds
+    if isinstance(value, dict) and dict in kinds and not all(isinstance(k, str) for k in value):
+        raise ConfigError(f"{source}: field {name} is a dict with keys that are not strings (damaged)")
+    if not (isinstance(value, accepted) and (bool in kinds or not isinstance(value, bool))):
+        wanted = " or ".join(_KIND_NAMES.get(k, f"a {k.__name__}") for k in kinds)
+        raise ConfigError(f"{source}: field {name} is {_kind(value)}, not {wanted} (damaged, or not written by stapo)")
+    return value
+
+
+def load_common(directory: str | Path) -> dict[str, Any]:
+    """The non-sharded part of a checkpoint (read on any rank, no model needed), by ``weights_only=True``:
+    a dict with str keys, or a one-line ConfigError. Its fields are checked by their readers
+    (:func:`common_field`).
 
     Not verified against the checksums here (callers verify once, collectively: see
     :func:`stapo_megatron.checkpoint.integrity.verify_checkpoint`).
@@ -146,8 +233,11 @@ def load_common(directory: str | Path) -> dict:
     check_complete(directory)
     safe_load.check_backend(directory)
     common = safe_load.SafeCommonLoadStrategy().load_common(directory)
-    if not isinstance(common, dict):
-        raise ConfigError(f"{Path(directory) / 'common.pt'}: holds a {type(common).__name__}, not a state dict")
+    if not isinstance(common, dict) or not all(isinstance(k, str) for k in common):
+        raise ConfigError(
+            f"{Path(directory) / COMMON_FILE}: holds {_kind(common)}"
+            f"{' with keys that are not strings' if isinstance(common, dict) else ''}, not a state dict"
+        )
     return common
 
 
@@ -165,7 +255,7 @@ def load_dist(sharded_state: dict, directory: str | Path) -> dict:
 
     check_complete(directory)
     safe_load.check_backend(directory)
-    with safe_load.one_line_errors():
+    with safe_load.one_line_errors(directory):
         return dist_checkpointing.load(
             sharded_state,
             str(directory),

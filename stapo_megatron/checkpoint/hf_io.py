@@ -19,6 +19,13 @@ import torch
 
 from stapo_megatron.config import ConfigError
 
+# Written into every Hugging Face export (last, before it is renamed into place): how
+# ``--overwrite`` knows a directory for an export of its own.
+EXPORT_MARKER = "stapo_export.json"
+# Written by ``stapo eval`` beside the export it made (:mod:`stapo_megatron.eval.model`);
+# exports from before EXPORT_MARKER carry only this one.
+EVAL_EXPORT_MARKER = "stapo_export_source.json"
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 

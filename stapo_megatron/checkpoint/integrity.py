@@ -24,6 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from stapo_megatron.checkpoint.dist import COMPLETE_MARKER, check_complete, cpu_group
+from stapo_megatron.checkpoint.files import open_regular, regular_size
 from stapo_megatron.config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -61,12 +62,13 @@ def _all_gather(obj, group) -> list:
 
 
 def file_digest(path: str | os.PathLike) -> tuple[int, str]:
-    """(size, sha256 hex) of a file, read in ``CHUNK_BYTES`` pieces into one reused buffer."""
+    """(size, sha256 hex) of a regular file (a link or a FIFO is a ConfigError), read in
+    ``CHUNK_BYTES`` pieces into one reused buffer."""
     digest = hashlib.new(HASH)
     buffer = bytearray(CHUNK_BYTES)
     view = memoryview(buffer)
     size = 0
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path, buffering=0) as f:
         while True:
             n = f.readinto(view)
             if not n:
@@ -77,7 +79,9 @@ def file_digest(path: str | os.PathLike) -> tuple[int, str]:
 
 
 def list_files(directory: Path) -> dict[str, int]:
-    """Every file below ``directory`` but the marker: relative POSIX path -> size."""
+    """Every file below ``directory`` but the marker: relative POSIX path -> size. Anything but a
+    regular file or a directory (a link, a FIFO, a device, a socket) is a one-line ConfigError:
+    a checkpoint never holds one, and reading a FIFO would wait forever."""
     files = {}
     for root, dirs, names in os.walk(directory):
         dirs.sort()
@@ -86,9 +90,7 @@ def list_files(directory: Path) -> dict[str, int]:
             relative = path.relative_to(directory).as_posix()
             if relative == COMPLETE_MARKER:
                 continue
-            if path.is_symlink():
-                raise ConfigError(f"{path}: a symbolic link, which a checkpoint never holds")
-            files[relative] = path.stat().st_size
+            files[relative] = regular_size(path)
     return files
 
 
@@ -122,6 +124,8 @@ def _hash_share(directory: Path, names: list[str]) -> dict[str, tuple[int, str] 
     def one(name):
         try:
             return name, file_digest(directory / name)
+        except ConfigError as err:  # not a regular file (any more)
+            return name, str(err)
         except OSError as err:
             return name, f"{directory / name}: cannot be read ({err.strerror or err})"
 
@@ -181,9 +185,9 @@ def _inspect(directory: Path, full: bool) -> tuple[dict, list[tuple[str, int, st
     and their sizes. ``None`` files: a checkpoint from before checksums."""
     marker = check_complete(directory)
     recorded = _recorded_files(marker, directory / COMPLETE_MARKER)
+    present = list_files(directory)  # also for a checkpoint from before checksums: only regular files
     if recorded is None:
         return marker, None
-    present = list_files(directory)
     for name in recorded:
         if name not in present:
             raise ConfigError(f"{directory / name}: missing (listed in the checkpoint's {COMPLETE_MARKER})")

@@ -134,6 +134,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+def int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[low, high]``."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be from {low} to {high}, got {value}")
+        return value
+
+    parse.__name__ = "integer"  # argparse names the type in its message
+    return parse
+
+
 def run_command(func: Callable[[Any], None], args: Any) -> int:
     """``func(args)`` with a configuration error turned into one line, ``stapo: error: ...`` on
     stderr, and exit status 2 (argparse's for a usage error); 0 when it returns."""

@@ -87,7 +87,11 @@ class EvalCommandConfig:
     )
     compare: list[str] = option([], "Instead of evaluating: finished evaluation directories to put in one table.")
     name: str = option("", "Model name in the table ('': the model's directory name).")
-    out: str = option("", "Output directory ('': eval_results/<name>-<decoding>); with compare: a file for the table.")
+    out: str = option(
+        "",
+        "Output directory ('': eval_results/<name>-<decoding>): new, empty, or one stapo eval made (it holds "
+        "its settings.json); with compare: a file for the table, new or a table stapo eval wrote.",
+    )
     tokenizer: str = option("", "Tokenizer directory ('': the model's, or the Megatron checkpoint's hf_assets/).")
     export_dir: str = option(
         "", "Where a Megatron checkpoint is exported, kept and reused ('': a temporary directory)."
@@ -96,7 +100,11 @@ class EvalCommandConfig:
     template: str = option("stapo", "Prompt template: stapo, raw, or a text containing {problem}.")
     chat_template: bool = option(False, "Wrap the prompt in the tokenizer's chat template.")
     chat_template_kwargs: dict = option({}, "Mapping passed to apply_chat_template, e.g. {enable_thinking: false}.")
-    overwrite: bool = option(False, "Discard the responses already in out and start over (default: continue them).")
+    overwrite: bool = option(
+        False,
+        "Discard the responses already in out and start over: removes its responses.jsonl, results.json and "
+        "table.md, nothing else, and only in a directory stapo eval made (default: continue them).",
+    )
     eval: EvalConfig = option(doc="Benchmarks, samples per problem, decoding.", factory=EvalConfig)
     rollout: RolloutConfig = option(
         doc="The engine that samples (local, or SGLang servers launched on the model or attached by URL).",

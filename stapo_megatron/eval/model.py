@@ -20,16 +20,16 @@ from typing import Any
 import torch
 
 from stapo_megatron.checkpoint.dist import ASSETS_DIR, COMPLETE_MARKER
-from stapo_megatron.checkpoint.hf_io import HFCheckpoint
+from stapo_megatron.checkpoint.hf_io import EVAL_EXPORT_MARKER, EXPORT_MARKER, HFCheckpoint
 from stapo_megatron.config import ConfigError
 from stapo_megatron.models.qwen3.config import Qwen3Config
 from stapo_megatron.models.qwen3.state_dict_adapter import hf_tensor_shapes
 from stapo_megatron.rollout.config import RolloutConfig
 from stapo_megatron.rollout.engine import RolloutEngine
+from stapo_megatron.runtime.jsonl import read_json
 
 logger = logging.getLogger(__name__)
 
-EXPORT_MARKER = "stapo_export_source.json"
 # Either spelling of a Qwen tokenizer's vocabulary; without one, no tokenizer can be built.
 _TOKENIZER_VOCAB_FILES = ("tokenizer.json", "vocab.json")
 
@@ -116,7 +116,11 @@ class HFExport:
             self.hf_dir = Path(export_dir)
             if self.hf_dir.exists() and not self.hf_dir.is_dir():
                 raise ConfigError(f"--export-dir: {export_dir} is not a directory")
-            if self.hf_dir.is_dir() and any(self.hf_dir.iterdir()) and not (self.hf_dir / EXPORT_MARKER).is_file():
+            if (
+                self.hf_dir.is_dir()
+                and any(self.hf_dir.iterdir())
+                and not any((self.hf_dir / marker).is_file() for marker in (EXPORT_MARKER, EVAL_EXPORT_MARKER))
+            ):
                 # The export replaces the directory: never do that to something stapo did not write.
                 raise ConfigError(f"--export-dir: {export_dir} is not empty and holds no stapo export")
         else:
@@ -139,12 +143,12 @@ class HFExport:
         from stapo_megatron.checkpoint.convert import convert_megatron_to_hf
 
         identity = json.loads(json.dumps(self._identity()))
-        marker = self.hf_dir / EXPORT_MARKER
+        marker = self.hf_dir / EVAL_EXPORT_MARKER
         if marker.is_file():
             try:
-                if json.loads(marker.read_text(encoding="utf-8")) == identity:
+                if read_json(marker, "--export-dir") == identity:
                     return self.hf_dir
-            except json.JSONDecodeError:
+            except ConfigError:  # a damaged marker: the export is redone
                 pass
         logger.info("exporting %s to Hugging Face format in %s", self.source.path, self.hf_dir)
         convert_megatron_to_hf(self.source.path, self.hf_dir, tokenizer_dir=self.source.tokenizer_dir, overwrite=True)

@@ -13,7 +13,9 @@ from pathlib import Path
 
 from stapo_megatron.config import ConfigError
 from stapo_megatron.data.benchmarks import BENCHMARKS
-from stapo_megatron.eval.store import RESULTS_FILE, read_json
+from stapo_megatron.eval.store import RESULTS_FILE
+from stapo_megatron.runtime.jsonl import is_finite_number, is_number, read_json
+from stapo_megatron.runtime.safe_text import printable
 
 # Column titles as the paper writes them.
 DISPLAY_NAMES = {
@@ -26,6 +28,8 @@ DISPLAY_NAMES = {
     "gsm8k": "GSM8K",
 }
 MISSING = "–"
+# How every table of results begins: how a table stapo wrote is told from other files.
+TABLE_START = "| Model | Decoding |"
 
 
 def flat_metrics(results: dict) -> dict[str, float]:
@@ -55,8 +59,8 @@ def decoding_label(decoding: dict) -> str:
 
 
 def _text(value: str) -> str:
-    """A label safe inside a table cell."""
-    return " ".join(str(value).split()).replace("|", "\\|")
+    """A label safe inside a table cell and on a terminal."""
+    return printable(" ".join(str(value).split())).replace("|", "\\|")
 
 
 def _cell(name: str, score: dict) -> str:
@@ -74,7 +78,7 @@ def markdown_table(runs: Sequence[dict]) -> str:
     """One table over ``runs`` (results dicts), columns in the registry's order (the paper's six first)."""
     present: set[str] = {name for run in runs for name in run["benchmarks"]}
     columns = [name for name in BENCHMARKS if name in present] + sorted(present - set(BENCHMARKS))
-    header = ["Model", "Decoding", *(DISPLAY_NAMES.get(c, c) for c in columns), "Avg."]
+    header = ["Model", "Decoding", *(_text(DISPLAY_NAMES.get(c, c)) for c in columns), "Avg."]
     lines = [
         "| " + " | ".join(header) + " |",
         "|" + "|".join([":--", ":--"] + ["--:"] * (len(columns) + 1)) + "|",
@@ -91,6 +95,43 @@ def markdown_table(runs: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def is_results_table(path: str | Path) -> bool:
+    """Whether ``path`` is a regular file holding a table of results that stapo eval wrote."""
+    path = Path(path)
+    if path.is_symlink() or not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(len(TABLE_START)) == TABLE_START.encode()
+
+
+def _is_count(value) -> bool:
+    return is_number(value) and not isinstance(value, float) and value >= 0
+
+
+def _results_problem(results) -> str | None:
+    """Why ``results`` is not what a finished evaluation writes to results.json (the fields the
+    table reads), or None."""
+    if not isinstance(results, dict) or not {"model", "decoding", "benchmarks"} <= set(results):
+        return "not a stapo evaluation result"
+    decoding, benchmarks = results["decoding"], results["benchmarks"]
+    if not isinstance(results["model"], str):
+        return "its model is not a text"
+    if not isinstance(decoding, dict) or not all(is_finite_number(decoding.get(k)) for k in ("temperature", "top_p")):
+        return "its decoding lacks a finite temperature and top_p"
+    if not isinstance(benchmarks, dict) or not benchmarks:
+        return "it holds no benchmarks"
+    for name, score in benchmarks.items():
+        if not (
+            isinstance(score, dict)
+            and is_finite_number(score.get("avg@k"))
+            and _is_count(score.get("k"))
+            and _is_count(score.get("problems"))
+            and _is_count(score.get("problems_total"))
+        ):
+            return f"benchmark '{_text(name)}' lacks a finite avg@k or whole counts k, problems, problems_total"
+    return None
+
+
 def load_results(path: str | Path) -> dict:
     """The results of a finished evaluation: its directory or its results.json."""
     path = Path(path)
@@ -98,6 +139,7 @@ def load_results(path: str | Path) -> dict:
     if not file.is_file():
         raise ConfigError(f"--compare: {path} has no {RESULTS_FILE} (not a finished evaluation)")
     results = read_json(file, "--compare")
-    if not isinstance(results, dict) or not {"model", "decoding", "benchmarks"} <= set(results):
-        raise ConfigError(f"--compare: {file} is not a stapo evaluation result")
+    problem = _results_problem(results)
+    if problem is not None:
+        raise ConfigError(f"--compare: {file}: {problem}")
     return results

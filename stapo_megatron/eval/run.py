@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -23,11 +24,30 @@ DEFAULT_OUT_ROOT = "eval_results"
 logger = logging.getLogger(__name__)
 
 
+def check_table_path(out: Path) -> None:
+    """Refuse, in one line naming ``out``, a comparison table that would write over a file stapo
+    eval did not write as a comparison: only a new file, or a table of results, outside the files
+    of an evaluation directory (its own table.md included), may be written."""
+    from stapo_megatron.eval.report import is_results_table
+    from stapo_megatron.eval.store import EVALUATION_FILES, SETTINGS_FILE
+
+    if not out.parent.is_dir():
+        raise ConfigError(f"out: {out}: {out.parent} is not a directory")
+    if out.name in EVALUATION_FILES and (out.parent / SETTINGS_FILE).is_file():
+        raise ConfigError(f"out: {out} is a file of the evaluation in {out.parent}; write the table elsewhere")
+    if os.path.lexists(out) and not is_results_table(out):
+        raise ConfigError(
+            f"out: {out} exists and is not a table stapo eval wrote; remove it or write the table elsewhere"
+        )
+
+
 def compare(cfg: EvalCommandConfig) -> None:
     """One table over finished evaluations (printed, and written to ``cfg.out`` when given)."""
     from stapo_megatron.eval.report import load_results, markdown_table
     from stapo_megatron.eval.store import write_atomic
 
+    if cfg.out:
+        check_table_path(Path(cfg.out))
     table = markdown_table([load_results(path) for path in cfg.compare])
     if cfg.out:
         write_atomic(cfg.out, table)

@@ -32,7 +32,6 @@ from stapo_megatron.eval.store import (
     TABLE_FILE,
     DirectoryLock,
     ResponseStore,
-    read_json,
     write_atomic,
     write_json_atomic,
 )
@@ -43,6 +42,7 @@ from stapo_megatron.rewards import (
     summarize_reasons,
 )
 from stapo_megatron.rollout.engine import RolloutEngine, SamplingParams
+from stapo_megatron.runtime.jsonl import read_json
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,8 @@ LOCAL_PROBLEMS_PER_CALL = 1
 SERVER_PROBLEMS_PER_CALL = 64
 # Scores need no texts; keeping them out of memory bounds it however long the responses are.
 _TEXT_FIELDS = ("response", "answer")
+# What every evaluation's settings.json holds: how a directory stapo eval made is recognised.
+_SETTINGS_KEYS = frozenset({"model", "engine", "temperature", "top_p", "max_new_tokens", "seed"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,9 +138,11 @@ def _normalized(data: Any) -> Any:
 class EvalRun:
     """An evaluation directory: ``settings.json``, ``responses.jsonl``, ``results.json``, ``table.md``.
 
-    Opening it locks the directory, checks that responses already there were sampled with the same
-    settings (``settings`` plus ``sampling``) or removes them when ``fresh``, and reads them. Use
-    as a context manager.
+    Opening it refuses a directory that is neither new, empty nor an evaluation's (one holding the
+    settings.json of stapo eval), so that nothing else is ever written over or removed; then locks
+    the directory, checks that responses already there were sampled with the same settings
+    (``settings`` plus ``sampling``) or removes them when ``fresh`` (responses.jsonl, results.json
+    and table.md, nothing else), and reads them. Use as a context manager.
     """
 
     def __init__(
@@ -155,8 +159,7 @@ class EvalRun:
         self.sampling = sampling
         # The sampling always belongs to the settings a resumed evaluation must match.
         self.settings = _normalized({**settings, **dataclasses.asdict(sampling)})
-        if self.directory.exists() and not self.directory.is_dir():
-            raise ConfigError(f"{self.directory}: exists and is not a directory")
+        self._check_is_evaluation_directory()
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock = DirectoryLock(self.directory)
         self._lock.acquire()
@@ -169,15 +172,31 @@ class EvalRun:
                 self.store.clear()
             elif settings_path.is_file():
                 self._check_same_settings(read_json(settings_path, "settings"))
-            elif self.store.path.is_file():
-                raise ConfigError(
-                    f"{self.directory}: has {RESPONSES_FILE} but no {SETTINGS_FILE}; cannot tell how they were sampled"
-                )
             write_json_atomic(settings_path, self.settings)
             self.records = self.store.load(drop=_TEXT_FIELDS)
         except BaseException:
             self._lock.release()
             raise
+
+    def _check_is_evaluation_directory(self) -> None:
+        """Refuse a directory that stapo eval did not make, unless it is empty (or holds only the
+        lock, left by a start killed before its settings were written)."""
+        if not self.directory.exists():
+            return
+        if not self.directory.is_dir():
+            raise ConfigError(f"{self.directory}: exists and is not a directory")
+        entries = sorted(p.name for p in self.directory.iterdir() if p.name != DirectoryLock.FILE)
+        if not entries:
+            return
+        settings_path = self.directory / SETTINGS_FILE
+        if settings_path.is_file():
+            settings = read_json(settings_path, "settings")
+            if isinstance(settings, dict) and _SETTINGS_KEYS <= set(settings):
+                return
+        raise ConfigError(
+            f"{self.directory}: not an evaluation directory (it holds {entries[0]!r} but no {SETTINGS_FILE} "
+            "written by stapo eval); give a new or empty directory"
+        )
 
     def _check_same_settings(self, old: Any) -> None:
         if not isinstance(old, dict):
@@ -301,10 +320,8 @@ class EvalRun:
                 row = self.records.get((task.name, record.uid, sample))
                 if row is None:
                     raise RuntimeError(f"{task.name}: response {sample} of {record.uid} is missing; sample it first")
-                try:
-                    result = RewardResult(float(row["reward"]), row["reason"], row["extracted"])
-                except ValueError as err:
-                    raise ConfigError(f"{self.store.path}: {record.uid} sample {sample}: {err}") from None
+                # Checked when read (ResponseStore.load) or made by the reward pool.
+                result = RewardResult(float(row["reward"]), row["reason"], row["extracted"])
                 rewards.append(result)
                 correct += result.reward == 1.0
                 truncated += row["finish_reason"] == "length"

@@ -2,7 +2,9 @@
 
 Every response is one JSON line keyed by (benchmark, problem uid, sample index). A kill can only
 leave the last line incomplete: reading drops it and cuts the file back to its last newline, so
-the next append starts on a line of its own.
+the next append starts on a line of its own. A line inside the file that is damaged (malformed,
+longer than a response can be, or not a response record) is skipped with one warning counting
+them: its response counts as missing and is sampled again, and the line itself stays.
 """
 
 from __future__ import annotations
@@ -15,13 +17,20 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from stapo_megatron.config import ConfigError
+from stapo_megatron.rewards.result import RewardResult
+from stapo_megatron.runtime.jsonl import SkippedRows, is_finite_number, parse_row, read_lines
+from stapo_megatron.runtime.run_files import atomic_open
 
 RESPONSES_FILE = "responses.jsonl"
 SETTINGS_FILE = "settings.json"
 RESULTS_FILE = "results.json"
 TABLE_FILE = "table.md"
+# The files of an evaluation directory that stapo eval writes, replaces or (with --overwrite) removes.
+EVALUATION_FILES = frozenset({RESPONSES_FILE, SETTINGS_FILE, RESULTS_FILE, TABLE_FILE})
 
 Key = tuple[str, str, int]
+# A response of 10^6 tokens fits; a longer line is damage, skipped without being read into memory.
+MAX_RESPONSE_LINE_BYTES = 64 << 20
 
 # Field -> accepted types of one response line.
 RECORD_FIELDS: dict[str, tuple[type, ...]] = {
@@ -46,39 +55,29 @@ def record_key(record: dict) -> Key:
 
 def write_atomic(path: str | os.PathLike, text: str) -> None:
     """Replace ``path`` with ``text`` so that readers see the old file or the new one, never a part."""
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "w", encoding="utf-8") as f:
+    with atomic_open(path) as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
     write_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
-def read_json(path: str | os.PathLike, what: str) -> Any:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{what}: {path} does not exist") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{what}: {path} is not valid JSON ({err})") from None
-
-
-def _check_record(record: Any, where: str) -> dict:
-    if not isinstance(record, dict):
-        raise ConfigError(f"{where}: expected a JSON object")
+def record_problem(record: dict) -> str | None:
+    """Why ``record`` is not a response record (as a phrase: "has no field 'uid'"), or None."""
     for name, types in RECORD_FIELDS.items():
         if name not in record:
-            raise ConfigError(f"{where}: field '{name}' is missing")
+            return f"has no field '{name}'"
         value = record[name]
         if isinstance(value, bool) or not isinstance(value, types):
-            raise ConfigError(f"{where}: field '{name}' has a {type(value).__name__} value")
-    return record
+            return f"has a {type(value).__name__} for field '{name}'"
+    if not is_finite_number(record["reward"]):
+        return "has a reward that is not finite"
+    try:
+        RewardResult(float(record["reward"]), record["reason"], record["extracted"])
+    except ValueError as err:
+        return f"is not a valid score ({err})"
+    return None
 
 
 class ResponseStore:
@@ -93,24 +92,20 @@ class ResponseStore:
         if not self.path.is_file():
             return {}
         records: dict[Key, dict] = {}
+        skipped = SkippedRows(self.path)
         complete = 0  # bytes up to the end of the last whole line
         with open(self.path, "rb") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.endswith(b"\n"):
+            for line in read_lines(f, MAX_RESPONSE_LINE_BYTES):
+                if not line.complete:
                     break  # the tail of a write that was killed
-                complete += len(line)
-                if not line.strip():
+                complete = line.end
+                record = parse_row(line, record_problem, skipped, drop_non_finite=False)
+                if record is None:
                     continue
-                where = f"{self.path}:{number}"
-                try:
-                    record = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    raise ConfigError(
-                        f"{where}: not a JSON line; the file is damaged (move it away to start over)"
-                    ) from None
-                key = record_key(_check_record(record, where))
+                key = record_key(record)
                 if key not in records:
                     records[key] = {name: value for name, value in record.items() if name not in drop}
+        skipped.warn()
         if complete < self.path.stat().st_size:
             # Cut the partial line, so the next append starts on a line of its own.
             with open(self.path, "r+b") as f:
@@ -119,7 +114,13 @@ class ResponseStore:
 
     def append(self, records: Iterable[dict]) -> None:
         """Append records and push them to disk before returning (a kill after this loses none of them)."""
-        text = "".join(json.dumps(_check_record(r, "record"), ensure_ascii=True) + "\n" for r in records)
+        lines = []
+        for record in records:
+            problem = record_problem(record)
+            if problem is not None:
+                raise ConfigError(f"record: {problem}")
+            lines.append(json.dumps(record, ensure_ascii=True) + "\n")
+        text = "".join(lines)
         if not text:
             return
         with open(self.path, "a", encoding="utf-8") as f:
@@ -134,8 +135,10 @@ class ResponseStore:
 class DirectoryLock:
     """An exclusive lock on an evaluation directory, so two runs never append to the same file."""
 
+    FILE = ".lock"
+
     def __init__(self, directory: str | os.PathLike):
-        self.path = Path(directory) / ".lock"
+        self.path = Path(directory) / self.FILE
         self._file: TextIO | None = None
 
     def acquire(self) -> None:

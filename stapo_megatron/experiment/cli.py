@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from stapo_megatron.config.command import positive_int
+from stapo_megatron.config import MAX_SEED
+from stapo_megatron.config.command import int_in, positive_int
 
 
 def run_entropy(args) -> None:
@@ -24,9 +25,14 @@ def register(subparsers) -> None:
         "Finished runs are not run again; unfinished ones continue from their latest checkpoint.",
     )
     entropy.add_argument("--steps", type=positive_int, default=300, help="training steps of every run")
-    entropy.add_argument("--seed", type=int, default=0, help="run.seed of every run")
+    entropy.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, help="run.seed of every run")
     entropy.add_argument("--algos", default=",".join(ALGOS), help="comma-separated algorithm presets (configs/algo)")
-    entropy.add_argument("--out", default="runs/experiment_entropy", help="experiment directory")
+    entropy.add_argument(
+        "--out",
+        default="runs/experiment_entropy",
+        help="experiment directory: new, or one this command made (it holds experiment.json); a directory "
+        "holding other files of the experiment's names (comparison.md, the figures, ...) is refused",
+    )
     entropy.add_argument("--config", default=None, help="YAML config of every run (default: the packaged tiny CPU one)")
     entropy.add_argument("--parallel", type=positive_int, default=2, help="runs at the same time")
     entropy.add_argument(

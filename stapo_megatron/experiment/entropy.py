@@ -10,7 +10,9 @@ presets as published.
 ``--parallel N`` runs N of them at once. A run whose metrics already reach the last step is not
 run again, and an unfinished one continues from its latest checkpoint, so the command can be
 repeated after an interruption. At the end the comparison (table and figures,
-:mod:`stapo_megatron.experiment.report`) is written to ``<out>``.
+:mod:`stapo_megatron.experiment.report`) is written to ``<out>``. The experiment replaces only
+what it wrote: ``<out>`` is new, or holds none of its file names (:func:`own_files`), or holds its
+``experiment.json``; anything else is refused before any run starts.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from stapo_megatron.config import ConfigError, load_config
 from stapo_megatron.config.core import PRESET_KEY, read_yaml
-from stapo_megatron.experiment.report import write_comparison
+from stapo_megatron.experiment.report import FIGURES, TABLE_FILE, write_comparison
+from stapo_megatron.runtime.jsonl import is_finite_number, read_json
 from stapo_megatron.runtime.launch import kill_tree
 from stapo_megatron.runtime.run_files import atomic_open
 from stapo_megatron.trainer.config import TrainConfig
@@ -168,19 +172,51 @@ class EntropyExperiment:
         return shlex.join([*words, *self.overrides])
 
 
+def own_files(experiment: EntropyExperiment) -> list[str]:
+    """The names in ``--out`` that the experiment writes or replaces, besides the runs' directories."""
+    inspections = [f"inspect_{algo}.txt" for algo in experiment.algos]
+    return [SETTINGS_FILE, BASE_CONFIG, LOG_DIR, TABLE_FILE, *(name for _, name, _ in FIGURES), *inspections]
+
+
+def _settings_problem(recorded: Any, wanted: dict) -> str | None:
+    """Why ``recorded`` is not the content of an experiment's settings file, or None."""
+    if not isinstance(recorded, dict):
+        return "not a JSON object"
+    missing = [key for key in (*wanted, "wall_seconds") if key not in recorded]
+    if missing:
+        return f"no {missing[0]}"
+    walls = recorded["wall_seconds"]
+    if not isinstance(walls, dict) or not all(is_finite_number(v) and v >= 0 for v in walls.values()):
+        return "wall_seconds is not a mapping of algorithms to seconds"
+    return None
+
+
 def _check_settings(experiment: EntropyExperiment) -> dict:
-    """The settings file's content (with its recorded wall times); refuses a directory whose
-    runs were made with other settings."""
-    path = experiment.out / SETTINGS_FILE
-    wanted = experiment.settings()
+    """The settings file's content (with its recorded wall times), or new settings for a directory
+    that is new or holds none of the experiment's files. Refuses, before any run starts, a
+    directory whose runs were made with other settings, and one that holds files of the
+    experiment's names but no settings file of it (they are someone else's: never replaced)."""
+    out, wanted = experiment.out, experiment.settings()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a directory")
+    path = out / SETTINGS_FILE
     if not path.is_file():
+        taken = [name for name in own_files(experiment) if os.path.lexists(out / name)]
+        if taken:
+            raise ConfigError(
+                f"--out {out}: holds {taken[0]} but no {SETTINGS_FILE} of an experiment; "
+                "its files are not the experiment's to replace: choose another --out"
+            )
         return {**wanted, "wall_seconds": {}}
-    recorded = json.loads(path.read_text(encoding="utf-8"))
+    recorded = read_json(path, "--out")
+    problem = _settings_problem(recorded, wanted)
+    if problem is not None:
+        raise ConfigError(f"--out {out}: {path} is not an experiment's settings file ({problem}); choose another --out")
     differing = [key for key in wanted if recorded.get(key) != wanted[key]]
     if differing:
         key = differing[0]
         raise ConfigError(
-            f"--out {experiment.out}: holds runs made with {key}={recorded.get(key)!r}, not {wanted[key]!r}; "
+            f"--out {out}: holds runs made with {key}={recorded.get(key)!r}, not {wanted[key]!r}; "
             "use the same settings to continue them, or another --out"
         )
     return recorded
@@ -224,9 +260,9 @@ def _stop(processes: list[subprocess.Popen]) -> None:
 def run_experiment(experiment: EntropyExperiment) -> list[Path]:
     """Run the algorithms that have not finished, N at a time, then write the comparison.
     Returns the files of the comparison."""
+    state = _check_settings(experiment)
     plans = experiment.run_overrides()
     experiment.out.mkdir(parents=True, exist_ok=True)
-    state = _check_settings(experiment)
     _write_settings(experiment, state)
     if not experiment.base_config.is_file():
         text = experiment.source_config().read_text(encoding="utf-8")

@@ -14,6 +14,7 @@ import os
 import sys
 
 from stapo_megatron.config import ConfigError
+from stapo_megatron.config.command import int_in
 from stapo_megatron.launch.submit import (
     _job_id,
     import_nemo_run,
@@ -113,7 +114,9 @@ def register(subparsers) -> None:
     )
     status.add_argument("experiment", nargs="?", default=None, help="experiment id or job name")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
-    status.add_argument("--last", type=int, default=20, help="how many experiments to list (default 20)")
+    status.add_argument(
+        "--last", type=int_in(1, 1_000_000), default=20, help="how many experiments to list (default 20)"
+    )
     status.set_defaults(func=run_status)
     logs = subparsers.add_parser(
         "logs",
@@ -121,6 +124,6 @@ def register(subparsers) -> None:
         description="Print the job's log (all ranks, through torchrun's --tee) to stderr.",
     )
     logs.add_argument("experiment", help="experiment id or job name")
-    logs.add_argument("--job", type=int, default=0, help="job index in the experiment (default 0)")
+    logs.add_argument("--job", type=int_in(0, 1_000_000), default=0, help="job index in the experiment (default 0)")
     logs.add_argument("--regex", default=None, help="only lines matching this regular expression")
     logs.set_defaults(func=run_logs)

@@ -33,11 +33,17 @@ import re
 import shlex
 
 from stapo_megatron.config import ConfigError
+from stapo_megatron.runtime.run_lock import SLURM_MAX_RESTART_COUNT
 
 DEFAULT_SIGNAL_LEAD_S = 900
 DEFAULT_MAX_REQUEUES = 50
 # slurm's --signal keeps the lead time in 16 bits
 MAX_SIGNAL_LEAD_S = 65535
+# SLURM_RESTART_COUNT, which the batch script compares with this, counts in 16 bits: a larger bound
+# could never be reached (and bash's test reads integers of 64 bits only).
+MAX_REQUEUES = SLURM_MAX_RESTART_COUNT
+# slurm keeps a time limit in minutes in 32 bits, the top values meaning "infinite" and "none"
+MAX_TIME_LIMIT_S = (2**32 - 3) * 60
 _TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
 
 
@@ -57,8 +63,10 @@ def time_limit_seconds(text: str) -> int:
 
 def check_requeue_options(signal_lead_s: int, max_requeues: int, time_limit: str) -> None:
     limit = time_limit_seconds(time_limit)
-    if max_requeues < 0:
-        raise ConfigError(f"--max-requeues: must be >= 0, got {max_requeues}")
+    if limit > MAX_TIME_LIMIT_S:
+        raise ConfigError(f"--time: {time_limit} is longer than SLURM can hold ({MAX_TIME_LIMIT_S // 60} minutes)")
+    if not 0 <= max_requeues <= MAX_REQUEUES:
+        raise ConfigError(f"--max-requeues: must be in [0, {MAX_REQUEUES}], got {max_requeues}")
     if not 1 <= signal_lead_s <= MAX_SIGNAL_LEAD_S:
         raise ConfigError(f"--signal-lead: must be in [1, {MAX_SIGNAL_LEAD_S}] seconds, got {signal_lead_s}")
     if signal_lead_s >= limit:

@@ -49,6 +49,8 @@ from stapo_megatron.config.core import check_fields
 from stapo_megatron.launch.requeue import (
     DEFAULT_MAX_REQUEUES,
     DEFAULT_SIGNAL_LEAD_S,
+    MAX_REQUEUES,
+    MAX_SIGNAL_LEAD_S,
     batch_script_lines,
     check_requeue_options,
     run_dir_for_batch_shell,
@@ -111,11 +113,16 @@ class SubmitConfig:
         "Slurm: the job is signalled this many seconds before its time limit and the run checkpoints and stops "
         "after its current step; give more than a step and a checkpoint take "
         f"(default {DEFAULT_SIGNAL_LEAD_S}, or a quarter of time if shorter).",
+        ge=1,
+        le=MAX_SIGNAL_LEAD_S,
     )
     max_requeues: int | None = option(
         None,
         "Slurm: a job that ends before run.steps (stopped for its time limit, a hang, a failure) requeues itself "
-        f"and resumes from its latest checkpoint, at most this many times (default {DEFAULT_MAX_REQUEUES}; 0: never).",
+        f"and resumes from its latest checkpoint, at most this many times (default {DEFAULT_MAX_REQUEUES}; 0: never; "
+        f"at most {MAX_REQUEUES}, as SLURM counts requeues in 16 bits).",
+        ge=0,
+        le=MAX_REQUEUES,
     )
     cpus_per_task: int | None = option(None, "CPUs for each node's task (torchrun and its ranks).", ge=1, le=MAX_BATCH)
     exclusive: bool = option(False, "Whole nodes (slurm).")

@@ -66,8 +66,9 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="start afresh in a directory with checkpoints: move the earlier run to "
-        "<run>/archive/<time>/ first (implies --no-resume)",
+        help="start afresh in a run directory with checkpoints: move the earlier run's outputs (checkpoints, "
+        "metrics, config.yaml, logs, dumps) to <run>/archive/<time>/ first; a directory that is not a run "
+        "directory is refused, and what no run writes stays in place (implies --no-resume)",
     )
     parser.add_argument(
         "overrides",

@@ -104,7 +104,8 @@ def normalize_exact(text: str) -> str:
 
 
 # The free words of the synthetic task's tokenizer (stapo_megatron.data.synthetic): w0, w1, ...
-FREE_WORD = re.compile(r"w\d+")
+# (ASCII digits: \d would take "w٤" for one).
+FREE_WORD = re.compile(r"w[0-9]+")
 
 
 def free_words_answer(text: str, max_chars: int | None = None) -> AnswerSpan:

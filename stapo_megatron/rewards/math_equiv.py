@@ -7,6 +7,16 @@ constructors that read digits (``Integer(int(s))``, ``Float(s)``, mpmath's strin
 math_verify's own ``parse`` is not used: its plain-expression extractor feeds matched text to
 ``parse_expr``. Comparison is math_verify's ``verify`` on the parsed sympy objects.
 
+Numbers are written in ASCII digits only. Python's ``int()`` and the regular expression ``\\d``
+accept the decimal digits of every script (Arabic-Indic ``٤٢``, fullwidth ``４２``, Devanagari
+``४२``), which would make ``٤٢`` correct against 42; here every number pattern is ``[0-9]`` and
+a string reaches ``int()`` only when it is ASCII, so such an answer is a parse error. That is the
+grading the benchmarks are reported with: their reference answers are ASCII; Math-Verify, whose
+``verify`` this module uses, extracts nothing from ``٤٢`` and finds ``\\boxed{４２}`` unequal to
+42; DAPO's rule-based verifier (verl's ``math_dapo``) compares normalized strings, where ``٤٢`` is
+not ``42`` either. A model that writes ``٤٢`` has not written the answer the benchmark asks for.
+Superscript digits (``²``) are no numbers either.
+
 Heavy imports (sympy, antlr, math_verify): import this module only where verification runs,
 normally inside the reward workers. It has no time limit of its own; the pool provides it.
 """
@@ -32,10 +42,11 @@ _NORMALIZATION = NormalizationConfig(
     basic_latex=True, units=True, malformed_operators=True, nits=True, boxed="none", equations=False
 )
 
-_INTEGER = re.compile(r"[+-]?\d+")
-_DECIMAL = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+# ASCII digits only (see the module's docstring); re.ASCII keeps \s to ASCII as well.
+_INTEGER = re.compile(r"[+-]?[0-9]+", re.ASCII)
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
 # "4.5e33" as a whole answer: the grammar would read the lower-case e as Euler's number.
-_SCIENTIFIC = re.compile(r"\s*([+-]?(?:\d+\.?\d*|\.\d+))\s*[eE]\s*([+-]?\d+)\s*")
+_SCIENTIFIC = re.compile(r"\s*([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))\s*[eE]\s*([+-]?[0-9]+)\s*", re.ASCII)
 # math_verify's fallback for "a = b = c": parse only the last side.
 _EQUATION_SPLIT = re.compile(r"(?<!\\|<|!|>)=")
 _SPACES = re.compile(r"\s+")
@@ -68,7 +79,7 @@ class _SafeConverter(_Latex2Sympy):
 
     def parse_number(self, text):
         digits = text.replace(",", "")
-        if digits.isdigit():  # the upstream strips leading zeros; int() does the same
+        if digits.isascii() and digits.isdigit():  # the upstream strips leading zeros; int() does the same
             return sympy.Integer(int(digits))
         return safe_number(digits)
 

@@ -22,6 +22,7 @@ import sys
 import time
 
 from stapo_megatron.config import ConfigError
+from stapo_megatron.runtime.environment import env_int
 
 ROOT_LOGGER = "stapo_megatron"
 ALL_RANKS_ENV = "STAPO_LOG_ALL_RANKS"
@@ -84,7 +85,7 @@ def configure(*, rank: int | None = None, all_ranks: bool | None = None) -> Cons
     logger = logging.getLogger(ROOT_LOGGER)
     handler = next((h for h in logger.handlers if isinstance(h, ConsoleHandler)), None)
     if handler is None:
-        handler = ConsoleHandler(int(os.environ.get("RANK") or 0), all_ranks_from_env())
+        handler = ConsoleHandler(env_int("RANK", low=0, high=(1 << 20) - 1, default=0), all_ranks_from_env())
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
     if rank is not None:

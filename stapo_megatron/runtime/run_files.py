@@ -3,7 +3,9 @@
 A write that fails leaves no partial file: it goes to a hidden temporary beside its target and
 is renamed into place only when complete (and on disk); on failure the temporary is removed. A
 full disk (ENOSPC, or a full quota) anywhere in a run's writes becomes :class:`NoSpaceError`,
-whose message is ``no space left on <path>``, instead of a traceback per rank.
+whose message is ``no space left on <path>``, instead of a traceback per rank. A run directory
+that cannot be used (a file in its place, a read-only file system, a name too long) is a one-line
+error naming ``run.output_dir``, found before anything is created.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 from pathlib import Path
 
 from stapo_megatron.config import ConfigError
@@ -55,11 +58,22 @@ def reporting_no_space(path: str | os.PathLike):
         raise
 
 
+_TEMPORARY_SUFFIX = ".tmp"
+_TEMPORARY_NAME = re.compile(r"\.(?P<target>.+)\.\d+" + re.escape(_TEMPORARY_SUFFIX))
+
+
+def temporary_target(name: str) -> str | None:
+    """The file name that :func:`atomic_open`'s temporary ``name`` was to become (a write cut off by
+    SIGKILL leaves one), or None when ``name`` is not one."""
+    match = _TEMPORARY_NAME.fullmatch(name)
+    return match.group("target") if match else None
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "w"):
     """``open(path, mode)`` for a file that appears only whole (``mode`` "w" or "wb")."""
     path = Path(path)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary = path.with_name(f".{path.name}.{os.getpid()}{_TEMPORARY_SUFFIX}")
     try:
         with reporting_no_space(path):
             with open(temporary, mode, encoding=None if "b" in mode else "utf-8") as f:
@@ -71,3 +85,58 @@ def atomic_open(path: str | os.PathLike, mode: str = "w"):
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def run_directory_error(directory: str | os.PathLike, reason: str) -> ConfigError:
+    """The one-line error of a run directory that cannot be used, naming ``run.output_dir``."""
+    return ConfigError(f"run.output_dir: {directory}: {reason}; choose another run.output_dir")
+
+
+def _unwritable(directory: Path) -> str | None:
+    """Why no file can be made in the existing directory ``directory``, or None."""
+    if os.statvfs(directory).f_flag & os.ST_RDONLY:
+        return f"{directory} is on a read-only file system"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"{directory} is not writable ({os.strerror(errno.EACCES)})"
+    return None
+
+
+def check_usable_directory(directory: str | os.PathLike) -> None:
+    """Raise :func:`run_directory_error` when ``directory`` is not, and cannot become, a directory
+    this process writes in, without creating anything (the checks are of the nearest existing
+    directory on its path: a file in the way, a read-only file system, a name too long)."""
+    directory = Path(directory)
+    # os.path's tests: False, not an exception, for a name too long and the like
+    if os.path.islink(directory) and not os.path.exists(directory):
+        raise run_directory_error(directory, f"a symbolic link to {os.readlink(directory)!r}, which does not exist")
+    if os.path.exists(directory):
+        if not os.path.isdir(directory):
+            raise run_directory_error(directory, "exists and is not a directory")
+        reason = _unwritable(directory)
+        if reason:
+            raise run_directory_error(directory, reason)
+        return
+    missing = []
+    existing = Path(os.path.abspath(directory))
+    while not os.path.exists(existing):
+        if os.path.islink(existing):
+            raise run_directory_error(
+                directory, f"{existing} is a symbolic link to a missing {os.readlink(existing)!r}"
+            )
+        missing.append(existing.name)
+        existing = existing.parent
+    if not os.path.isdir(existing):
+        raise run_directory_error(directory, f"cannot be created: {existing} is not a directory")
+    name_max = os.pathconf(existing, "PC_NAME_MAX")
+    for name in missing:
+        size = len(os.fsencode(name))
+        if size > name_max:
+            raise run_directory_error(
+                directory, f"cannot be created: a name of {size} bytes ({name[:24]!r}...), over the {name_max} allowed"
+            )
+    path_max = os.pathconf(existing, "PC_PATH_MAX")
+    if len(os.fsencode(os.path.abspath(directory))) >= path_max:
+        raise run_directory_error(directory, f"cannot be created: its path is longer than the {path_max} bytes allowed")
+    reason = _unwritable(existing)
+    if reason:
+        raise run_directory_error(directory, f"cannot be created: {reason}")

@@ -10,6 +10,12 @@ host; the bound assumes clocks agree within a minute), or when it was taken by a
 allocation of the same SLURM job (a requeued job, on any node). On one host, takeovers are
 serialised with ``flock`` on ``.lock.guard``.
 
+A ``.lock`` that no run of this release wrote is never followed, looped on or read as a holder: a
+symbolic link, a directory or another non-regular file is refused in one line (it is not the
+project's to remove); a regular file whose content names no valid holder (cut off, not a JSON
+object, fields of the wrong type) is a holder unknown, taken over like any other once its heartbeat
+is older than :data:`STALE_AFTER_S`, refused until then.
+
 Who holds it: ``stapo train`` when it starts the ranks (its ranks end with it, see
 :func:`stapo_megatron.runtime.launch.watch_launcher`, and learn through :data:`TOKEN_ENV` that
 the lock is theirs), or global rank 0 when an outside launcher (torchrun, SLURM) started them.
@@ -19,17 +25,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
 from pathlib import Path
 
 from stapo_megatron.config import ConfigError
+from stapo_megatron.runtime.environment import env_int
+from stapo_megatron.runtime.run_files import run_directory_error
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +48,13 @@ GUARD_FILE = ".lock.guard"
 TOKEN_ENV = "STAPO_RUN_LOCK_TOKEN"
 HEARTBEAT_S = 10.0
 STALE_AFTER_S = 120.0
+# Slurm counts a job's restarts in 16 bits (restart_cnt of its job record): SLURM_RESTART_COUNT
+# never exceeds this.
+SLURM_MAX_RESTART_COUNT = 65535
+# A holder's JSON is about 200 bytes; a bigger .lock is not one.
+_MAX_LOCK_BYTES = 4096
+# Takeovers and releases racing this acquisition make it try again; a bound, so that it cannot spin.
+_MAX_ATTEMPTS = 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +74,7 @@ class LockHolder:
             time.time(),
             uuid.uuid4().hex,
             os.environ.get("SLURM_JOB_ID", ""),
-            int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+            slurm_restart_count(),
         )
 
     def describe(self) -> str:
@@ -65,13 +82,96 @@ class LockHolder:
         return f"host {self.host}, pid {self.pid}, started {when}"
 
 
-def _read_holder(path: Path) -> LockHolder | None:
-    """The holder written in ``path``; None while its creator has not written it yet."""
+def slurm_restart_count() -> int:
+    """How many times SLURM requeued this job before this allocation (0 outside SLURM)."""
+    return env_int("SLURM_RESTART_COUNT", low=0, high=SLURM_MAX_RESTART_COUNT, default=0)
+
+
+# The holder's fields and the JSON types each must have (bool is excluded from the numbers below).
+_HOLDER_TYPES: dict[str, tuple[type, ...]] = {
+    "host": (str,),
+    "pid": (int,),
+    "started": (int, float),
+    "token": (str,),
+    "job": (str,),
+    "restarts": (int,),
+}
+_OPTIONAL_FIELDS = {"job", "restarts"}
+# pids: Linux's pid_max is at most 2**22; times: up to the year 5138, which localtime() still shows.
+_HOLDER_RANGES = (("pid", 1, 2**31 - 1), ("started", 0, 1e11), ("restarts", 0, SLURM_MAX_RESTART_COUNT))
+
+
+def _holder_problem(data) -> str | None:
+    """Why ``data`` (a parsed lock file) names no holder, or None when it does."""
+    if not isinstance(data, dict):
+        return f"holds a JSON {type(data).__name__}, not an object"
+    for name, types in _HOLDER_TYPES.items():
+        if name not in data:
+            if name in _OPTIONAL_FIELDS:
+                continue
+            return f"has no {name}"
+        value = data[name]
+        if isinstance(value, bool) or not isinstance(value, types):
+            return f"{name} is {value!r}, not {' or '.join(t.__name__ for t in types)}"
+    for name, low, high in _HOLDER_RANGES:
+        if name in data and not low <= data[name] <= high:
+            return f"{name} {data[name]!r} is out of range"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _LockFile:
+    """What a ``.lock`` held when read: its holder (None: unreadable, with ``problem`` saying why,
+    '' while its creator has not written it yet) and the age of its heartbeat."""
+
+    holder: LockHolder | None
+    problem: str
+    heartbeat_age: float
+
+
+def _read_lock(path: Path) -> _LockFile:
+    """The lock file at ``path``, never following a link; FileNotFoundError once it is gone.
+    Anything but a regular file is refused with :class:`ConfigError`."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        kind = (
+            f"a symbolic link (to {os.readlink(path)!r})"
+            if stat.S_ISLNK(st.st_mode)
+            else "a directory"
+            if stat.S_ISDIR(st.st_mode)
+            else "not a regular file"
+        )
+        raise ConfigError(
+            f"{path}: {kind}, not a lock file stapo_megatron writes; remove it yourself once no run uses "
+            f"{path.parent}, or choose another run.output_dir"
+        )
+    # O_NONBLOCK: should it have become a FIFO since, opening it does not wait for a writer
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        age = time.time() - st.st_mtime
+        data = f.read(_MAX_LOCK_BYTES + 1) if stat.S_ISREG(st.st_mode) else b""
+    if not data:
+        return _LockFile(None, "", age)
+    if len(data) > _MAX_LOCK_BYTES:
+        return _LockFile(None, f"over {_MAX_LOCK_BYTES} bytes", age)
     try:
-        with open(path, encoding="utf-8") as f:
-            return LockHolder(**json.load(f))
-    except (FileNotFoundError, ValueError, TypeError):
-        return None
+        parsed = json.loads(data)
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError both are
+        return _LockFile(None, "not JSON (cut off, or not a lock)", age)
+    problem = _holder_problem(parsed)
+    if problem is not None:
+        return _LockFile(None, problem, age)
+    return _LockFile(LockHolder(**{name: parsed[name] for name in _HOLDER_TYPES if name in parsed}), "", age)
+
+
+def held_with(run_dir: str | os.PathLike, token: str) -> bool:
+    """Whether ``run_dir``'s lock is held now by the holder whose token is ``token``."""
+    try:
+        holder = _read_lock(Path(run_dir) / LOCK_FILE).holder
+    except (OSError, ConfigError):
+        return False
+    return holder is not None and holder.token == token
 
 
 def _pid_runs(pid: int, started: float) -> bool:
@@ -97,10 +197,30 @@ def _stale_reason(holder: LockHolder | None, heartbeat_age: float) -> str | None
     return None
 
 
+def _cannot(run_dir: Path, what: str, err: OSError) -> ConfigError:
+    return run_directory_error(run_dir, f"cannot {what} ({err.strerror or err})")
+
+
 @contextlib.contextmanager
 def _host_guard(run_dir: Path):
-    with open(run_dir / GUARD_FILE, "a") as guard:
-        fcntl.flock(guard, fcntl.LOCK_EX)
+    path = run_dir / GUARD_FILE
+    try:
+        # never through a link: the guard is created here, not wherever a link points
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise ConfigError(
+                f"{path}: a symbolic link, not the lock guard stapo_megatron writes; remove it yourself once no run "
+                f"uses {run_dir}, or choose another run.output_dir"
+            ) from None
+        raise _cannot(run_dir, f"open its {GUARD_FILE}", err) from None
+    with os.fdopen(fd, "w") as guard:
+        if not stat.S_ISREG(os.fstat(guard.fileno()).st_mode):
+            raise ConfigError(f"{path}: not a regular file; remove it yourself, or choose another run.output_dir")
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+        except OSError as err:  # a file system without locks (ENOLCK)
+            raise _cannot(run_dir, f"lock its {GUARD_FILE}", err) from None
         yield
 
 
@@ -118,47 +238,64 @@ class RunLock:
     def acquire(cls, run_dir: str | os.PathLike) -> RunLock:
         """Take the lock, or raise :class:`ConfigError` naming the run that holds it."""
         run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise _cannot(run_dir, "create it", err) from None
         path = run_dir / LOCK_FILE
         me = LockHolder.me()
         with _host_guard(run_dir):
-            while True:
+            for _ in range(_MAX_ATTEMPTS):
                 try:
+                    # O_EXCL creates a file and never follows a link (an existing link is EEXIST)
                     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
                 except FileExistsError:
-                    holder = _read_holder(path)
-                    try:
-                        age = time.time() - path.stat().st_mtime
-                    except FileNotFoundError:  # its holder just released it
-                        continue
-                    reason = _stale_reason(holder, age)
-                    if reason is None:
-                        who = holder.describe() if holder else "a run that is starting"
-                        raise ConfigError(
-                            f"{run_dir}: in use by another run ({who}); wait for it to end or choose another "
-                            "run.output_dir"
-                        ) from None
-                    logger.warning(
-                        "%s: taking over the lock of a run that is gone (%s: %s)",
-                        run_dir,
-                        holder.describe() if holder else "holder unknown",
-                        reason,
-                    )
-                    path.unlink(missing_ok=True)
+                    pass
+                except OSError as err:
+                    raise _cannot(run_dir, f"create its {LOCK_FILE}", err) from None
+                else:
+                    with os.fdopen(fd, "w", encoding="utf-8") as f:
+                        json.dump(dataclasses.asdict(me), f)
+                    return cls(path, me)
+                try:
+                    found = _read_lock(path)
+                except FileNotFoundError:  # its holder just released it
                     continue
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    json.dump(dataclasses.asdict(me), f)
-                return cls(path, me)
+                except OSError as err:
+                    raise _cannot(run_dir, f"read its {LOCK_FILE}", err) from None
+                holder = found.holder
+                reason = _stale_reason(holder, found.heartbeat_age)
+                unknown = f"holder unknown: {path.name} {found.problem}" if found.problem else "holder unknown"
+                if reason is None:
+                    who = holder.describe() if holder else unknown if found.problem else "a run that is starting"
+                    raise ConfigError(
+                        f"{run_dir}: in use by another run ({who}); wait for it to end or choose another run.output_dir"
+                    ) from None
+                logger.warning(
+                    "%s: taking over the lock of a run that is gone (%s: %s)",
+                    run_dir,
+                    holder.describe() if holder else unknown,
+                    reason,
+                )
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    pass
+                except OSError as err:
+                    raise _cannot(run_dir, f"remove the stale {LOCK_FILE}", err) from None
+            raise ConfigError(
+                f"{run_dir}: its {LOCK_FILE} kept changing while this run tried to take it ({_MAX_ATTEMPTS} tries); "
+                "another run is starting there: wait for it, or choose another run.output_dir"
+            )
 
     def held(self) -> bool:
         """Whether the lock file still names this holder (not taken over after a long stall)."""
-        holder = _read_holder(self.path)
-        return holder is not None and holder.token == self.holder.token
+        return held_with(self.path.parent, self.holder.token)
 
     def _beat(self) -> None:
         while not self._stopped.wait(HEARTBEAT_S):
             with contextlib.suppress(OSError):
-                os.utime(self.path)
+                os.utime(self.path, follow_symlinks=False)
 
     def release(self) -> None:
         self._stopped.set()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stapo_megatron.config.command import positive_int
+from stapo_megatron.config.command import int_in, positive_int
 
 
 def run_inspect(args) -> None:
@@ -22,8 +22,8 @@ def run_inspect(args) -> None:
 def register(subparsers) -> None:
     inspect = subparsers.add_parser("inspect", help="the most frequently silenced tokens of a run, with contexts")
     inspect.add_argument("run_dir")
-    inspect.add_argument("--top", type=int, default=20, help="tokens to list")
-    inspect.add_argument("--examples", type=int, default=3, help="example contexts per token")
+    inspect.add_argument("--top", type=int_in(1, 1_000_000), default=20, help="tokens to list")
+    inspect.add_argument("--examples", type=int_in(0, 10_000), default=3, help="example contexts per token")
     inspect.add_argument(
         "--per-step-top",
         type=positive_int,

@@ -4,7 +4,8 @@ Every ``logging.inspect_every`` steps the last pipeline stage writes each silenc
 (the rule's candidates that it silenced; for rules without candidates, every silenced token)
 with its probability, entropy, advantage and a window of decoded text around it, to
 ``<run>/spurious/step_NNNNNNN.jsonl``. ``stapo inspect RUN`` ranks the tokens the way the STAPO
-paper's tables do.
+paper's tables do. It reads the dumps as untrusted: a malformed entry is skipped with one counted
+warning per file, and the model's text is printed with its control and bidi characters escaped.
 """
 
 from __future__ import annotations
@@ -18,11 +19,28 @@ from typing import Any
 
 import torch.distributed as dist
 
+from stapo_megatron.config import MAX_STEPS
 from stapo_megatron.runtime.distributed import ParallelContext
+from stapo_megatron.runtime.jsonl import is_number, read_rows, shown_key
 from stapo_megatron.runtime.run_files import atomic_open
-from stapo_megatron.trainer.metrics import read_jsonl
+from stapo_megatron.runtime.safe_text import printable
 
 DUMP_DIR = "spurious"
+# The fields of a dump entry a reader uses, and what each must be; step and token are required.
+_ENTRY_FIELDS: dict[str, Any] = {
+    "step": int,
+    "sequence": int,
+    "position": int,
+    "token_id": int,
+    "token": str,
+    "probability": float,
+    "entropy": float,
+    "advantage": float,
+    "correct": bool,
+    "before": str,
+    "after": str,
+}
+_REQUIRED_FIELDS = ("step", "token")
 
 
 class SpuriousTokenDump:
@@ -91,12 +109,46 @@ class SpuriousTokenDump:
                     f.write(json.dumps(entry, ensure_ascii=False) + "\n")
 
 
+def dump_entry_problem(entry: dict) -> str | None:
+    """Why ``entry`` is not a dump entry as :class:`SpuriousTokenDump` writes them, or None."""
+    for name in _REQUIRED_FIELDS:
+        if name not in entry:
+            return f"has no {name}"
+    for name, kind in _ENTRY_FIELDS.items():
+        if name not in entry:
+            continue
+        value = entry[name]
+        if kind is bool:
+            fits = isinstance(value, bool)
+        elif kind is float:
+            fits = is_number(value)
+        elif kind is int:
+            fits = is_number(value) and not isinstance(value, float)
+        else:
+            fits = isinstance(value, kind)
+        if not fits:
+            return f"holds a {type(value).__name__} for {shown_key(name)}"
+    if not 0 <= entry["step"] <= MAX_STEPS:
+        return f"has a step outside 0..{MAX_STEPS:,}"
+    return None
+
+
 def read_dumps(run_dir: str | os.PathLike) -> list[dict]:
+    """Every entry of the run's dumps; malformed entries skipped, one warning per file counting them."""
     directory = Path(run_dir) / DUMP_DIR
     entries = []
     for path in sorted(directory.glob("step_*.jsonl")):
-        entries.extend(read_jsonl(path))
+        entries.extend(read_rows(path, dump_entry_problem))
     return entries
+
+
+def _mean(rows: list[dict], name: str) -> float | None:
+    values = [row[name] for row in rows if name in row]
+    return sum(values) / len(values) if values else None
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 # The token classes that the STAPO paper (arXiv 2602.15620) names among the most frequent spurious
@@ -180,19 +232,19 @@ def summarize(
     ]
     for rank, (token, count) in enumerate(counts.most_common(top), start=1):
         rows = by_token[token]
-        mean_p = sum(r["probability"] for r in rows) / count
-        mean_h = sum(r["entropy"] for r in rows) / count
+        mean_p, mean_h = _number(_mean(rows, "probability"), ".2e"), _number(_mean(rows, "entropy"), ".3f")
         lines.append(
-            f"{rank:>4}  {token!r:<20} {count:>7} {count / len(entries):>7.2%} {mean_p:>9.2e} {mean_h:>8.3f}  "
+            f"{rank:>4}  {token!r:<20} {count:>7} {count / len(entries):>7.2%} {mean_p:>9} {mean_h:>8}  "
             f"{paper_class(token) or '-'}"
         )
     lines.append("")
     lines.append("example contexts ([[token]] is silenced):")
     for token, _ in counts.most_common(min(top, 5)):
         for row in by_token[token][:examples]:
+            context = printable(f"{row.get('before', '')}[[{row['token']}]]{row.get('after', '')}")
             lines.append(
-                f"  step {row['step']:>5} p={row['probability']:.1e} H={row['entropy']:.2f}: "
-                f"...{row['before']}[[{row['token']}]]{row['after']}..."
+                f"  step {row['step']:>5} p={_number(row.get('probability'), '.1e')} "
+                f"H={_number(row.get('entropy'), '.2f')}: ...{context}..."
             )
     lines.append("")
     lines.extend(paper_comparison(entries, per_step_top, max_step_rows))

@@ -1,11 +1,14 @@
 """``stapo train``: load and check the config, then run the ranks (starting them when needed).
 
-Inside an existing launch (torchrun, or SLURM through NeMo-Run's torchrun) this process is one
-rank. Otherwise ``stapo train`` checks the data, takes the run directory's lock (one run per
-directory, see :mod:`stapo_megatron.runtime.run_lock`) and starts torchrun with one process per
-rank in a session of its own, handing the ranks a private copy of the config. The ranks end when
-this process ends, however it ends. Ctrl-C asks the ranks to stop after the current step and
-write a checkpoint; a second Ctrl-C stops them at once (exit status 130).
+Inside an existing launch (torchrun, or SLURM through NeMo-Run's torchrun: the environment has
+every variable of a rank, :func:`inside_launch`) this process is one rank. Otherwise ``stapo
+train`` checks the run directory (a new, empty or run directory, see
+:mod:`stapo_megatron.trainer.run_directory`) and the data, takes the run directory's lock (one run
+per directory, see :mod:`stapo_megatron.runtime.run_lock`) and starts torchrun with one process per
+rank in a session of its own, handing the ranks a private copy of the config in the run directory.
+The ranks end when this process ends, however it ends; the private copy goes with it, or with the
+next run's start after a SIGKILL. Ctrl-C asks the ranks to stop after the current step and write a
+checkpoint; a second Ctrl-C stops them at once (exit status 130).
 """
 
 from __future__ import annotations
@@ -14,10 +17,9 @@ import contextlib
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -27,22 +29,33 @@ import yaml
 from stapo_megatron.config import ConfigError, to_dict
 from stapo_megatron.config.command import load_training_config
 from stapo_megatron.runtime import console
+from stapo_megatron.runtime.environment import env_int, env_seconds
 from stapo_megatron.runtime.launch import kill_tree, watch_launcher
 from stapo_megatron.runtime.run_files import atomic_open
-from stapo_megatron.runtime.run_lock import GUARD_FILE, LOCK_FILE, TOKEN_ENV, RunLock
+from stapo_megatron.runtime.run_lock import TOKEN_ENV, RunLock, held_with, slurm_restart_count
 from stapo_megatron.trainer.config import TrainConfig
+from stapo_megatron.trainer.run_directory import (
+    RANKS_CONFIG,
+    RESOLVED_CONFIG,
+    RUN_MARKER,
+    STOP_FILE,
+    archive_run_outputs,
+    check_run_directory,
+    is_run_directory,
+    mark_run_directory,
+)
 from stapo_megatron.trainer.validation import check_train_config
 
 DEFAULT_CONFIG = "tiny_cpu.yaml"
-RESOLVED_CONFIG = "config.yaml"
-STOP_FILE = "STOP"
-ARCHIVE_DIR = "archive"
 LAUNCHER_PID_ENV = "STAPO_LAUNCHER_PID"
 # Set by the requeue batch script (launch/requeue.py): a STOP file newer than this is a request of
 # this allocation, made while the ranks were starting, not one left by an earlier run.
 ALLOCATION_STARTED_ENV = "STAPO_ALLOCATION_STARTED"
-# What belongs to the directory rather than to one run: kept in place by --overwrite.
-_DIRECTORY_ENTRIES = {ARCHIVE_DIR, LOCK_FILE, GUARD_FILE}
+# What every rank of a launch has: torchrun sets them all (and more), as does this project's
+# spawn_ranks. A shell with only some of them has them left over from another launch.
+_RANK_IDENTITY_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+_LAUNCH_ENV = (*_RANK_IDENTITY_ENV, "MASTER_ADDR", "MASTER_PORT")
+_MAX_WORLD = 1 << 20
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +71,46 @@ def load_train_config(path: str | os.PathLike | None, overrides: list[str]) -> T
     return cfg
 
 
-def _inside_launch() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+def inside_launch() -> bool:
+    """Whether this process is a rank of a launch: every variable of :data:`_LAUNCH_ENV` set, and
+    consistent. Some of them without the others (a shell's left-overs of another launch) or values
+    that disagree are a one-line :class:`ConfigError` naming them."""
+    given = [name for name in _LAUNCH_ENV if name in os.environ]
+    if not any(name in os.environ for name in _RANK_IDENTITY_ENV):
+        return False  # MASTER_ADDR / MASTER_PORT alone: torchrun, started here, sets its own
+    missing = [name for name in _LAUNCH_ENV if name not in os.environ]
+    if missing:
+        shown = ", ".join(f"{name}={os.environ[name]!r}" for name in given)
+        raise ConfigError(
+            f"environment: {shown} set, but not {', '.join(missing)}: left over from another launch? Unset "
+            f"{' '.join(given)} to start the run here, or start it with torchrun"
+        )
+    world = env_int("WORLD_SIZE", low=1, high=_MAX_WORLD)
+    rank = env_int("RANK", low=0, high=world - 1)
+    env_int("LOCAL_RANK", low=0, high=rank)
+    env_int("MASTER_PORT", low=1, high=65535)
+    return True
+
+
+def check_environment() -> bool:
+    """Every variable ``stapo train`` reads from its environment, checked before any work starts;
+    returns :func:`inside_launch`."""
+    env_seconds(ALLOCATION_STARTED_ENV)
+    slurm_restart_count()
+    return inside_launch()
 
 
 def write_resolved_config(cfg: TrainConfig) -> Path:
+    """``<run>/config.yaml``, for people (secrets redacted). It replaces only a config a run wrote:
+    one in a directory without the run marker is the user's own, and is refused."""
     directory = cfg.run.directory
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / RESOLVED_CONFIG
+    if os.path.lexists(path) and not is_run_directory(directory):
+        raise ConfigError(
+            f"{path}: not written by a run ({directory} has no {RUN_MARKER}); stapo_megatron does not replace it: "
+            "choose an empty or new run.output_dir"
+        )
     with atomic_open(path) as f:
         yaml.safe_dump(to_dict(cfg, redact=True), f, sort_keys=False)  # for people: secrets hidden
     return path
@@ -87,31 +132,45 @@ def check_data(cfg: TrainConfig) -> None:
         raise ConfigError(f"data.source: {str(err).splitlines()[0]}") from None
 
 
+def _remove_stale_ranks_config(directory: Path) -> None:
+    """The private config of a launcher killed with SIGKILL (no clean-up runs then)."""
+    path = directory / RANKS_CONFIG
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"{path}: not a regular file, so not the launcher's config; remove it yourself")
+    path.unlink()
+    logger.info("removed %s, the private config of a launcher that was killed", path)
+
+
 def prepare_run_directory(cfg: TrainConfig, overwrite: bool) -> None:
-    """Under the run's lock, before any rank reads the directory: refuse to start a new run on
-    top of an old run's checkpoints unless ``overwrite`` (which moves the old run to
-    ``<run>/archive/<time>/``), and drop a stop request left by an earlier run."""
-    from stapo_megatron.trainer.checkpointing import Checkpointer
+    """Under the run's lock, before any rank reads the directory: mark it as a run directory
+    (refusing one that is not), refuse to start a new run on top of an old run's checkpoints unless
+    ``overwrite`` (which moves the old run's outputs to ``<run>/archive/<time>/``), and drop what
+    an earlier run left: its stop request, its launcher's private config."""
+    from stapo_megatron.trainer.checkpointing import Checkpointer, check_run_files
+    from stapo_megatron.trainer.run_record import check_resume_early
 
     directory = cfg.run.directory
+    mark_run_directory(directory)
+    _remove_stale_ranks_config(directory)
     steps = Checkpointer(directory, cfg.checkpoint.keep_last).complete_steps()
     if cfg.checkpoint.resume == "never" and steps and not overwrite:
         raise ConfigError(
             f"{directory}: has checkpoints up to step {steps[-1]} of an earlier run; starting afresh on top of them "
             "mixes two runs: add --overwrite to move them to <run>/archive/ first, or choose another run.output_dir"
         )
-    old = sorted(p for p in directory.iterdir() if p.name not in _DIRECTORY_ENTRIES) if overwrite else []
-    if old:
-        archive = directory / ARCHIVE_DIR / time.strftime("%Y%m%d-%H%M%S")
-        archive.mkdir(parents=True)
-        for entry in old:
-            entry.rename(archive / entry.name)
-        logger.info("--overwrite: moved the earlier run (%s) to %s", ", ".join(p.name for p in old), archive)
+    if overwrite:
+        archive_run_outputs(directory)
+    check_run_files(directory)  # damage found only at the first save would lose that step
+    check_resume_early(cfg)  # a resume the ranks would refuse, refused before torchrun starts
     stop_file = directory / STOP_FILE
     if not stop_file.exists():
         return
-    allocation_started = os.environ.get(ALLOCATION_STARTED_ENV)
-    if allocation_started and stop_file.stat().st_mtime >= float(allocation_started):
+    allocation_started = env_seconds(ALLOCATION_STARTED_ENV)
+    if allocation_started is not None and stop_file.stat().st_mtime >= allocation_started:
         logger.info("%s: a stop request of this allocation (its time limit is near): one step, then stop", stop_file)
         return
     stop_file.unlink()
@@ -122,9 +181,18 @@ def prepare_run_directory(cfg: TrainConfig, overwrite: bool) -> None:
 def _rank_owns_directory(cfg: TrainConfig, overwrite: bool):
     """Rank 0 of an outside launch (torchrun, SLURM) takes the lock and prepares the directory;
     under ``stapo train``, whose token is in the environment, the launcher already did both."""
-    if os.environ.get("RANK") != "0" or os.environ.get(TOKEN_ENV):
+    if os.environ.get("RANK") != "0":
         yield
         return
+    token = os.environ.get(TOKEN_ENV)
+    if token:
+        if not held_with(cfg.run.directory, token):
+            raise ConfigError(
+                f"{TOKEN_ENV}: names no lock held on {cfg.run.directory} (left over from another launch? unset it)"
+            )
+        yield
+        return
+    check_run_directory(cfg.run.directory)
     with RunLock.acquire(cfg.run.directory):
         prepare_run_directory(cfg, overwrite)
         yield
@@ -135,16 +203,16 @@ def run_rank(cfg: TrainConfig, overwrite: bool = False) -> None:
 
     console.configure(all_ranks=cfg.logging.all_ranks)
     if LAUNCHER_PID_ENV in os.environ:
-        watch_launcher(int(os.environ[LAUNCHER_PID_ENV]))
+        watch_launcher(env_int(LAUNCHER_PID_ENV, low=1, high=2**31 - 1))
     with _rank_owns_directory(cfg, overwrite):
         Trainer(cfg).train()
 
 
-def _write_private_config(cfg: TrainConfig, directory: str) -> Path:
-    """The ranks' config: this launcher's own copy (0600, in a 0700 directory) that no other run
-    can replace, with every value the ranks need (secrets too, unlike <run>/config.yaml)."""
-    path = Path(directory) / RESOLVED_CONFIG
-    with open(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600), "w", encoding="utf-8") as f:
+def _write_ranks_config(cfg: TrainConfig) -> Path:
+    """The ranks' config: this launcher's own copy (0600, made under the run's lock, so no other
+    run can replace it), with every value the ranks need (secrets too, unlike <run>/config.yaml)."""
+    path = cfg.run.directory / RANKS_CONFIG
+    with open(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600), "w", encoding="utf-8") as f:
         yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
     return path
 
@@ -165,25 +233,26 @@ def launch(cfg: TrainConfig, lock: RunLock) -> int:
         else:
             kill_tree(process.pid)
 
-    with tempfile.TemporaryDirectory(prefix="stapo-launch-") as private:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={world}",
-            "-m",
-            "stapo_megatron.trainer.main",
-            "--config",
-            str(_write_private_config(cfg, private)),
-        ]
-        env = {
-            **os.environ,
-            "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-            LAUNCHER_PID_ENV: str(os.getpid()),
-            TOKEN_ENV: lock.holder.token,
-        }
+    ranks_config = _write_ranks_config(cfg)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        "-m",
+        "stapo_megatron.trainer.main",
+        "--config",
+        str(ranks_config),
+    ]
+    env = {
+        **os.environ,
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        LAUNCHER_PID_ENV: str(os.getpid()),
+        TOKEN_ENV: lock.holder.token,
+    }
+    try:
         process = subprocess.Popen(command, env=env, start_new_session=True)
         # Set explicitly: a shell that starts this in the background would otherwise leave SIGINT ignored.
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -194,6 +263,8 @@ def launch(cfg: TrainConfig, lock: RunLock) -> int:
                 signal.signal(sig, handler)
             # A request that the killed ranks never read must not stop the next run.
             stop_file.unlink(missing_ok=True)
+    finally:  # a SIGKILL skips this: the next run's prepare_run_directory removes it
+        ranks_config.unlink(missing_ok=True)
     if len(signals) > 1:
         logger.error("killed by a second %s; no final checkpoint was written", signal.Signals(signals[-1]).name)
         return 128 + signals[-1]
@@ -288,11 +359,12 @@ def run_train(args, check_layout: Callable[[TrainConfig, str | os.PathLike | Non
     if resume is not None:
         overrides.append(f"checkpoint.resume={resume}")
     cfg = load_train_config(args.config, overrides)
-    if _inside_launch():
+    if check_environment():
         run_rank(cfg, args.overwrite)
         if os.environ["RANK"] == "0":
             print(run_summary(cfg), flush=True)
         return
+    check_run_directory(cfg.run.directory)
     check_data(cfg)
     if check_layout is not None:
         check_layout(cfg, args.config)

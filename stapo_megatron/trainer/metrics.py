@@ -12,7 +12,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from stapo_megatron.config import MAX_STEPS
 from stapo_megatron.runtime import console
+from stapo_megatron.runtime.jsonl import is_number, read_rows, shown_key
 from stapo_megatron.runtime.run_files import atomic_open, reporting_no_space
 
 logger = logging.getLogger(__name__)
@@ -33,8 +35,11 @@ class PhaseTimer:
 
     Phases may nest: an outer phase's seconds exclude those of the phases inside it, so the
     phases add up to the time they cover and no second counts twice. ``time/step`` is the wall
-    time from ``started`` to :meth:`stop`; a loop that starts each step's timer where the
-    previous one stopped (:meth:`follow`) accounts for every second between its rows.
+    time from ``started`` to :meth:`stop`, and ``time/other`` the part of it in no named phase,
+    so the phases and ``time/other`` add up to ``time/step`` whatever the machine's load (a
+    process descheduled between two phases loses that time to ``other``, not to the sum); a loop
+    that starts each step's timer where the previous one stopped (:meth:`follow`) accounts for
+    every second between its rows.
     """
 
     def __init__(self):
@@ -82,33 +87,41 @@ class PhaseTimer:
         return self.stopped - self.started
 
     def metrics(self) -> dict[str, float]:
-        """Each phase's seconds and ``time/step``, the wall time of the whole step (after :meth:`stop`)."""
+        """Each phase's seconds, ``time/other`` and ``time/step`` (the whole step's wall time), after :meth:`stop`."""
         if self.stopped is None:
             raise RuntimeError("PhaseTimer.metrics before stop(): the step has no end yet")
+        step = self.stopped - self.started
         return {
             **{f"time/{phase}": seconds for phase, seconds in self.seconds.items()},
-            "time/step": self.stopped - self.started,
+            "time/other": step - sum(self.seconds.values()),
+            "time/step": step,
         }
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """The rows of a jsonl file written by a run. A line that does not parse (the last line of
-    a file cut off by a full disk or a kill) is skipped with a warning naming it."""
-    rows = []
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                logger.warning("%s: line %d is cut off or malformed (%d bytes); skipped", path, number, len(line))
-    return rows
+# A metrics row is a step's numbers: kilobytes. A longer line is damage, skipped unread.
+METRICS_MAX_LINE_BYTES = 1 << 20
+
+
+def metrics_row_problem(row: dict) -> str | None:
+    """Why ``row`` is not a metrics row (a whole-number ``step`` and numbers, or None where the
+    trainer had a non-finite value), or None when it is one."""
+    if "step" not in row:
+        return "has no step"
+    step = row["step"]
+    if not is_number(step) or isinstance(step, float) or not 0 <= step <= MAX_STEPS:
+        return f"has a step that is not a whole number from 0 to {MAX_STEPS:,}"
+    for key, value in row.items():
+        if value is not None and not is_number(value):
+            return f"holds a {type(value).__name__} for {shown_key(key)}"
+    return None
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    """The rows of ``<run_dir>/metrics.jsonl`` (none when there is no such file). A row that is cut
+    off (the last line of a file cut by a full disk or a kill), malformed or too long is skipped and
+    a value that is not finite dropped, with one warning counting them (see :mod:`stapo_megatron.runtime.jsonl`)."""
     path = Path(run_dir) / METRICS_FILE
-    return read_jsonl(path) if path.is_file() else []
+    return read_rows(path, metrics_row_problem, METRICS_MAX_LINE_BYTES) if path.is_file() else []
 
 
 def _finite(value: float) -> float | None:
@@ -149,10 +162,10 @@ class MetricsLogger:
             console.bar_started()  # log records now go through tqdm, around the bar
 
     def _truncate_after(self, step: int) -> None:
-        """Keep the rows up to ``step`` (the resumed checkpoint's); a cut-off line is dropped."""
+        """Keep the rows up to ``step`` (the resumed checkpoint's); a cut-off or malformed line is dropped."""
         if not self.path.is_file():
             return
-        kept = [row for row in read_metrics(self.path.parent) if row.get("step", 0) <= step]
+        kept = [row for row in read_metrics(self.path.parent) if row["step"] <= step]
         with atomic_open(self.path) as f:
             for row in kept:
                 f.write(json.dumps(row) + "\n")

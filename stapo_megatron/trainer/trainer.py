@@ -6,6 +6,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -14,12 +15,13 @@ import torch.distributed as dist
 
 from stapo_megatron.checkpoint.convert import fill_from_hf, hf_assets, load_model
 from stapo_megatron.checkpoint.hf_io import HFCheckpoint
+from stapo_megatron.config import ConfigError
 from stapo_megatron.data.prompts import default_stop_token_ids, load_tokenizer
 from stapo_megatron.loss.metrics import combine_steps
 from stapo_megatron.models.qwen3.parallelize import build_stage
 from stapo_megatron.runtime.distributed import init_distributed
 from stapo_megatron.trainer.batch import RolloutBatch, broadcast_rollouts
-from stapo_megatron.trainer.checkpointing import Checkpointer
+from stapo_megatron.trainer.checkpointing import Checkpointer, check_run_files, decided_on_rank0
 from stapo_megatron.trainer.config import TrainConfig
 from stapo_megatron.trainer.controller import RolloutController
 from stapo_megatron.trainer.heartbeat import Heartbeat, job_store
@@ -27,6 +29,7 @@ from stapo_megatron.trainer.inspector import SpuriousTokenDump
 from stapo_megatron.trainer.metrics import PhaseTimer
 from stapo_megatron.trainer.offload import OPTIMIZER, PARAMS, TrainerOffload
 from stapo_megatron.trainer.reference import ReferenceModel
+from stapo_megatron.trainer.run_record import ResumePlan, plan_resume, run_record
 from stapo_megatron.trainer.update import PolicyUpdater, merge_reporter_metrics
 
 if TYPE_CHECKING:
@@ -132,6 +135,10 @@ class Trainer:
         self.release_engine = cfg.rollout.release_memory_between_steps or cfg.compute.offload_while_generating
         self.skipped_steps = 0
         self.optimizer_steps = 0
+        self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep_last, self.ctx)
+        # What this run is, for its checkpoints and the resume check; rank 0's (it wrote the tokenizer files).
+        self.record = self.ctx.broadcast_object(run_record(cfg, self.tokenizer_dir) if self.rank == 0 else None)
+        self.resume_from = self._resume_point()  # before any weights are built or read
 
         model = build_stage(
             self.arch,
@@ -167,7 +174,6 @@ class Trainer:
             else None
         )
         self.moved_bytes = {"offload": 0, "reload": 0}  # this step's, for its row
-        self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep_last, self.ctx)
         self.step = 0
         progress = self._resume()
         # Started by train(); rank 0's beats reach every rank through the job's store.
@@ -264,16 +270,32 @@ class Trainer:
         )
         return optimizer, build_scheduler(optimizer, self.cfg, report=self.rank == 0)
 
-    def _resume(self) -> dict:
+    def _resume_point(self) -> tuple[Path, ResumePlan] | None:
+        """The checkpoint to resume and what the resume changes, decided before the model is built:
+        the run directory's files checked, the newest intact checkpoint chosen and its record
+        compared with this run's. A refusal is one line, raised on every rank alike."""
+        decided_on_rank0(self.ctx, lambda: check_run_files(self.run_dir))
         mode = self.cfg.checkpoint.resume
         latest = self.checkpointer.latest_intact() if mode != "never" else None
         if latest is None:
             if mode == "required":
-                raise RuntimeError(
-                    f"checkpoint.resume=required but {self.checkpointer.root} has no complete checkpoint"
-                )
+                raise ConfigError(f"checkpoint.resume=required but {self.checkpointer.root} has no complete checkpoint")
+            return None
+        plan = decided_on_rank0(
+            self.ctx, lambda: plan_resume(latest, self.checkpointer.read_common(latest), self.record)
+        )
+        if self.rank == 0:
+            for change in plan.changes:
+                logger.warning("%s", change)
+        return latest, plan
+
+    def _resume(self) -> dict:
+        if self.resume_from is None:
             return {}
+        latest, plan = self.resume_from
         progress = self.checkpointer.load(latest, self.model, self.optimizer, self.scheduler)
+        if plan.fresh_sampler:  # the saved position belongs to the old prompt order
+            progress = {key: value for key, value in progress.items() if key != "sampler"}
         self.step = progress["step"]
         self.skipped_steps = progress.get("skipped_steps", 0)
         self.optimizer_steps = progress.get("optimizer_steps", 0)
@@ -442,7 +464,15 @@ class Trainer:
         progress = self.ctx.broadcast_object(progress, src=0)
         assets = hf_assets(self.tokenizer_dir) if self.tokenizer_dir else None
         self.checkpointer.save(
-            self.step, self.model, self.optimizer, self.scheduler, progress, self.arch, self.params_dtype, assets
+            self.step,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            progress,
+            self.arch,
+            self.params_dtype,
+            assets,
+            record=self.record,
         )
 
     def _agree_to_stop(self) -> bool:

@@ -3,6 +3,7 @@ plant them in a real checkpoint (with its checksums recomputed, as an attacker w
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import operator
@@ -54,6 +55,26 @@ def read_metadata(directory: Path):
         return pickle.load(f)
 
 
+def write_metadata(directory: Path, metadata) -> None:
+    with open(directory / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+
+
+def _append_item(directory: Path, info, data: bytes) -> None:
+    """Append ``data`` to the data file of the storage entry ``info`` and point the entry at it."""
+    path = directory / info.relative_path
+    offset = path.stat().st_size
+    with open(path, "ab") as f:
+        f.write(data)
+    info.offset, info.length = offset, len(data)
+
+
+def _saved(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
 def replace_object(directory: Path, key_prefix: str, wrap) -> list[str]:
     """Replace the stored sharded objects whose key starts with ``key_prefix`` by ``wrap(obj)``,
     appended to the data file that held them; the index points at the new bytes. Returns the
@@ -63,22 +84,48 @@ def replace_object(directory: Path, key_prefix: str, wrap) -> list[str]:
     for index, info in metadata.storage_data.items():
         if not index.fqn.startswith(key_prefix):
             continue
-        path = directory / info.relative_path
-        with open(path, "rb") as f:
+        with open(directory / info.relative_path, "rb") as f:
             f.seek(info.offset)
             original = torch.load(io.BytesIO(f.read(info.length)), weights_only=False)
-        buffer = io.BytesIO()
-        torch.save(wrap(original), buffer)
-        data = buffer.getvalue()
-        offset = path.stat().st_size
-        with open(path, "ab") as f:
-            f.write(data)
-        info.offset, info.length = offset, len(data)
+        _append_item(directory, info, _saved(wrap(original)))
         changed.append(info.relative_path)
     assert changed, f"no stored object {key_prefix}*"
-    with open(directory / ".metadata", "wb") as f:
-        pickle.dump(metadata, f)
+    write_metadata(directory, metadata)
     return sorted(set(changed))
+
+
+def replace_tensor(directory: Path, fqn: str, tensor: torch.Tensor) -> str:
+    """Store ``tensor`` for the first chunk of ``fqn`` (appended to its data file, the index
+    pointing at it); returns the data file changed."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    metadata = read_metadata(directory)
+    info = metadata.storage_data[MetadataIndex(fqn, metadata.state_dict_metadata[fqn].chunks[0].offsets)]
+    _append_item(directory, info, _saved(tensor))
+    write_metadata(directory, metadata)
+    return info.relative_path
+
+
+def drop_checksums(directory: Path) -> None:
+    """Make the marker one from before checksums were recorded (no file list)."""
+    marker = directory / COMPLETE_MARKER
+    content = json.loads(marker.read_text())
+    del content["files"], content["hash"]
+    marker.write_text(json.dumps(content))
+
+
+def replace_by_fifo(directory: Path, name: str) -> Path:
+    """Replace the file ``name`` by a FIFO, recorded in the marker as what reading one gives: 0
+    bytes (a marker without a file list stays one)."""
+    path = directory / name
+    path.unlink()
+    os.mkfifo(path)
+    marker = directory / COMPLETE_MARKER
+    content = json.loads(marker.read_text())
+    if "files" in content:
+        content["files"][name] = {"size": 0, HASH: hashlib.new(HASH).hexdigest()}
+    marker.write_text(json.dumps(content))
+    return path
 
 
 def flip_byte(path: Path, offset: int | None = None) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import shutil
 from fractions import Fraction
 
@@ -206,19 +205,38 @@ def test_a_directory_of_other_settings_is_refused(tmp_path, qwen3_tokenizer, eva
         assert run.pending() == 4 and not (tmp_path / "run" / "results.json").exists()
 
 
-def test_a_damaged_line_inside_the_file_is_an_error(tmp_path, qwen3_tokenizer, eval_data_dir):
+def test_damaged_lines_inside_the_file_are_skipped_counted_and_sampled_again(
+    tmp_path, qwen3_tokenizer, eval_data_dir, caplog
+):
+    """A damaged line refused the whole evaluation ("move it away to start over": every response
+    sampled again). Now each damaged line is skipped with one warning counting them, its response
+    is sampled again, and the line itself stays in the file."""
     tasks = tasks_for(qwen3_tokenizer, eval_data_dir, ["aime24"], limit=2, k=2)
-    evaluate(tmp_path / "run", qwen3_tokenizer, tasks, lambda name, i: 1, "m", TRAIN)
+    whole, _ = evaluate(tmp_path / "run", qwen3_tokenizer, tasks, lambda name, i: 1, "m", TRAIN)
     path = tmp_path / "run" / "responses.jsonl"
     lines = path.read_text().splitlines(keepends=True)
-    path.write_text(lines[0] + lines[1][:30] + "\n" + "".join(lines[2:]))
-    with pytest.raises(ConfigError, match=re.escape(f"{path}:2: not a JSON line")):
-        EvalRun(tmp_path / "run", tasks, SAMPLING, SETTINGS)
-    record = json.loads(lines[1])
-    record["reward"] = "1"
-    path.write_text(lines[0] + json.dumps(record) + "\n")
-    with pytest.raises(ConfigError, match=re.escape(f"{path}:2: field 'reward' has a str value")):
-        EvalRun(tmp_path / "run", tasks, SAMPLING, SETTINGS)
+    assert len(lines) == 4
+    text_reward = json.loads(lines[2])
+    text_reward["reward"] = "1"
+    unmatched = json.loads(lines[3])
+    unmatched["reward"] = 1.0 - unmatched["reward"]  # a reward that does not go with its reason
+    damaged = [
+        lines[0],
+        lines[1][:30] + "\n",
+        json.dumps(text_reward) + "\n",
+        json.dumps(unmatched) + "\n",
+        "[" * 100_000 + "]" * 100_000 + "\n",
+    ]
+    path.write_text("".join(damaged))
+    with caplog.at_level("WARNING"):
+        again, engine = evaluate(tmp_path / "run", qwen3_tokenizer, tasks, lambda name, i: 1, "m", TRAIN)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"{path}: line 2 is cut off or malformed; skipped 4 malformed rows"
+    ]
+    assert again == whole
+    assert [(n, k) for _, n, k in engine.calls] == [(2, 2)]  # the one group of the three missing samples
+    kept = path.read_text().splitlines(keepends=True)
+    assert kept[: len(damaged)] == damaged and sorted(kept[len(damaged) :]) == sorted(lines[1:])
 
 
 def test_a_tokenizer_that_cannot_encode_the_benchmarks_is_a_config_error(eval_data_dir):

@@ -50,7 +50,15 @@ def test_time_limits_and_leads():
         (120, 5, "2", r"^--signal-lead: 120 s leaves no time to train within --time 2 \(120 s\)$"),
         (0, 5, "2", r"^--signal-lead: must be in \[1, 65535\] seconds, got 0$"),
         (70000, 5, "3-00:00:00", r"^--signal-lead: must be in \[1, 65535\] seconds, got 70000$"),
-        (30, -1, "2", r"^--max-requeues: must be >= 0, got -1$"),
+        (30, -1, "2", r"^--max-requeues: must be in \[0, 65535\], got -1$"),
+        # SLURM_RESTART_COUNT counts in 16 bits: a larger bound is never reached (and 10**26 breaks bash's test)
+        (30, 10**26, "2", rf"^--max-requeues: must be in \[0, 65535\], got {10**26}$"),
+        (
+            30,
+            5,
+            "99999999999:00:00",
+            r"^--time: 99999999999:00:00 is longer than SLURM can hold \(4294967293 minutes\)$",
+        ),
         (30, 5, "2h", r"^--time: '2h' is not a SLURM time limit"),
     ]:
         with pytest.raises(ConfigError, match=message):

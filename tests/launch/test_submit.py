@@ -279,6 +279,14 @@ BAD = [
     (["--account", "a", "--env", "NOVALUE"], "--env NOVALUE: expected NAME=VALUE"),
     (["--account", "a", "--mounts", "/only-one-path"], "--mounts /only-one-path: expected SRC:DST"),
     (["--account", "a", "--time", "ten minutes"], "--time: 'ten minutes' is not a SLURM time limit"),
+    # before: accepted, and the batch script's `[ "$restarts" -ge 10**26 ]` fails as bash reads 64-bit integers
+    (["--account", "a", "--max-requeues", str(10**26)], f"--max-requeues: must be <= 65535, got {10**26}"),
+    (["--account", "a", "--max-requeues", "65536"], "--max-requeues: must be <= 65535, got 65536"),
+    (["--account", "a", "--max-requeues", "-1"], "--max-requeues: must be >= 0, got -1"),
+    (["--account", "a", "--signal-lead", str(10**20)], f"--signal-lead: must be <= 65535, got {10**20}"),
+    (["--account", "a", "--time", "99999999999:00:00"], "--time: 99999999999:00:00 is longer than SLURM can hold"),
+    (["--account", "a", "--port", "70000"], "--port: must be <= 65535, got 70000"),
+    (["--account", "a", "--cpus-per-task", str(10**9)], "--cpus-per-task: must be <= 1048576, got 1000000000"),
     (["--executor", "local", "--nodes", "2"], "--nodes: the local executor runs on this machine only"),
     (["--executor", "local", "--partition", "p"], "--partition: only for --executor slurm"),
     (["--account", "a", "--job-name", "a/b"], "--job-name: 'a/b' must be letters"),
@@ -401,3 +409,15 @@ def test_prepare_needs_no_nemo_run(monkeypatch):
     assert (sub.processes.nodes, sub.processes.per_node, sub.processes.gpus_per_node) == (1, 2, 2)
     with pytest.raises(ConfigError, match="--nodes/--gpus-per-node"):
         prepare(SubmitOptions(config=None, overrides=[], account="a", nodes=1, gpus_per_node=1))
+
+
+def test_every_numeric_flag_of_submit_and_plan_is_bounded_both_ways():
+    """A count with no upper bound reaches a script or a planner as it is (--max-requeues 10**26)."""
+    from stapo_megatron.config.core import describe
+    from stapo_megatron.launch.plan import PlanConfig
+    from stapo_megatron.launch.submit import SubmitConfig
+
+    for section in (SubmitConfig, PlanConfig):
+        for name, type_name, _, _ in describe(section):
+            if type_name.split()[0] in ("int", "float"):
+                assert " in [" in type_name or " in (" in type_name, f"{section.__name__}.{name}: {type_name}"

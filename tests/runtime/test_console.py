@@ -162,8 +162,8 @@ def test_stapo_writes_messages_to_stderr_and_its_product_to_stdout(tmp_path, cap
     captured = capsys.readouterr()
     assert captured.out == f"wrote {tmp_path / 'curves.png'}\n"
     assert re.fullmatch(
-        rf"{STAMP} \[stapo\] warning: {tmp_path / 'metrics.jsonl'}: line 3 is cut off or malformed \(16 bytes\); "
-        r"skipped\n",
+        rf"{STAMP} \[stapo\] warning: {tmp_path / 'metrics.jsonl'}: line 3 is cut off or malformed; "
+        r"skipped 1 malformed row\n",
         captured.err,
     )
 

@@ -27,6 +27,7 @@ from stapo_megatron.trainer.launcher import (
     write_resolved_config,
 )
 from stapo_megatron.trainer.metrics import METRICS_FILE, MetricsLogger, read_metrics
+from stapo_megatron.trainer.run_directory import RUN_MARKER, mark_run_directory
 
 
 def _dead_pid() -> int:
@@ -218,6 +219,8 @@ def _config(run_dir, *overrides):
 def test_starting_afresh_in_a_used_directory(tmp_path, capsys, monkeypatch):
     console.configure(rank=0)  # as `stapo` does: messages on stderr
     run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    mark_run_directory(run_dir)
     checkpointer = Checkpointer(run_dir, keep_last=3)
     for step in (5, 10):
         _fake_checkpoint(checkpointer, step)
@@ -250,15 +253,17 @@ def test_starting_afresh_in_a_used_directory(tmp_path, capsys, monkeypatch):
     (run_dir / "STOP").unlink()
 
     (run_dir / LOCK_FILE).write_text("{}")
+    (run_dir / "notes.txt").write_text("the user's own")  # no run writes it: it stays
     prepare_run_directory(_config(run_dir, "checkpoint.resume=never"), overwrite=True)
     assert checkpointer.complete_steps() == [] and not (run_dir / METRICS_FILE).exists()
-    assert (run_dir / LOCK_FILE).exists()
+    assert (run_dir / LOCK_FILE).exists() and (run_dir / RUN_MARKER).exists()
+    assert (run_dir / "notes.txt").read_text() == "the user's own"
     (archive,) = (run_dir / "archive").iterdir()
     assert sorted(p.name for p in archive.iterdir()) == ["checkpoints", METRICS_FILE]
     assert Checkpointer(archive, keep_last=3).complete_steps() == [5, 10]
-    assert f"[stapo] --overwrite: moved the earlier run (checkpoints, {METRICS_FILE}) to {archive}\n" in (
-        capsys.readouterr().err
-    )
+    err = capsys.readouterr().err
+    assert f"[stapo] --overwrite: moved the earlier run (checkpoints, {METRICS_FILE}) to {archive}\n" in err
+    assert "[stapo] --overwrite: left in place what no run writes: notes.txt\n" in err
 
 
 def test_a_cut_off_metrics_line_is_skipped_by_readers_and_repaired_on_resume(tmp_path, caplog):
@@ -286,6 +291,8 @@ def test_a_cut_off_metrics_line_is_skipped_by_readers_and_repaired_on_resume(tmp
 
 def test_a_full_disk_is_one_line_and_leaves_no_partial_file(tmp_path, monkeypatch):
     cfg = _config(tmp_path / "run")
+    cfg.run.directory.mkdir()
+    mark_run_directory(cfg.run.directory)
     config_file = write_resolved_config(cfg)
     before = config_file.read_bytes()
 
@@ -299,7 +306,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_partial_file(tmp_path, monkeypatc
         write_resolved_config(cfg)
     assert str(error.value) == f"no space left on {config_file}"
     assert config_file.read_bytes() == before
-    assert sorted(p.name for p in config_file.parent.iterdir()) == ["config.yaml"]
+    assert sorted(p.name for p in config_file.parent.iterdir()) == [RUN_MARKER, "config.yaml"]
     with pytest.raises(NoSpaceError, match="no space left on .*/blob.bin$"):
         with atomic_open(tmp_path / "blob.bin", "wb") as f:
             f.write(b"x" * 100)

@@ -13,6 +13,7 @@ from stapo_megatron.checkpoint.integrity import HASH, record_files
 from stapo_megatron.cli import main
 from stapo_megatron.runtime import console
 from stapo_megatron.trainer.launcher import _already_complete, load_train_config, run_summary
+from stapo_megatron.trainer.run_directory import mark_run_directory
 
 
 def _checkpoint(run_dir, step: int, damaged: bool = False):
@@ -33,6 +34,7 @@ def _run(tmp_path, steps: int = 5):
         for s in range(1, steps + 1)
     ]
     cfg.run.directory.mkdir(parents=True)
+    mark_run_directory(cfg.run.directory)
     (cfg.run.directory / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     (cfg.run.directory / "spurious").mkdir()
     (cfg.run.directory / "spurious" / "step_0000005.jsonl").write_text("")
