@@ -404,10 +404,11 @@ def _edit_common(checkpoint, edit) -> None:
 
 
 def _refused_on_every_rank(result, message: str, world: int = 2) -> None:
-    """Each rank's one line, and no rank's traceback (torchrun's own report of the exit follows)."""
+    """Every rank refuses alike: one line each, and no rank's traceback (torchrun's own report of the
+    exit follows). Torchrun stops the other ranks once the first exits, so some may not print theirs."""
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if line.startswith("stapo: error: ")]
-    assert len(lines) == world and all(message in line for line in lines), result.stderr[-3000:]
+    assert 1 <= len(lines) <= world and all(message in line for line in lines), result.stderr[-3000:]
     assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr
 
 
