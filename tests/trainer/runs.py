@@ -35,8 +35,9 @@ def torchrun_command(config: Path, nproc: int, *overrides: str) -> list[str]:
     ]
 
 
-def run(command: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run to completion; on a timeout or failure of the test, nothing of the launch stays alive."""
+def attempt(command: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run to its end, whatever its exit status; on a timeout or failure of the test, nothing of
+    the launch stays alive."""
     from stapo_megatron.runtime.launch import kill_tree
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -45,7 +46,12 @@ def run(command: list[str], timeout: float = 600) -> subprocess.CompletedProcess
         stdout, stderr = process.communicate(timeout=timeout)
     finally:
         kill_tree(process.pid)
-    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def run(command: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run to completion; a failure is an AssertionError with the end of its stderr."""
+    result = attempt(command, timeout)
     if result.returncode != 0:
         raise AssertionError(f"{' '.join(command)} exited {result.returncode}:\n{result.stderr[-4000:]}")
     return result

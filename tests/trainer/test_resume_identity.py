@@ -347,16 +347,9 @@ def test_another_algorithm_or_data_setting_takes_effect_with_a_line_per_change(t
 
 
 def _attempt(command, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run to its end, whatever its exit status; nothing of it stays alive."""
-    from stapo_megatron.runtime.launch import kill_tree
+    from tests.trainer.runs import attempt
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    finally:
-        kill_tree(process.pid)
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    return attempt(command, timeout)
 
 
 def _ranks(run_dir, world: int, *overrides) -> list[str]:
