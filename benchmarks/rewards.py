@@ -1,6 +1,7 @@
-"""Throughput of the math reward on a realistic mix of responses.
+"""Throughput of the math reward, and of the dapo reward beside it, on a realistic mix of responses.
 
     python benchmarks/rewards.py [--responses 10000] [--baseline-samples 1000] [--data-dir ../shared/data]
+        [--dapo-answer strict_box]
 
 Responses are chains of reasoning text ending in a box, built from the real ground truths of the
 data files: correct (the ground truth, sometimes in another equivalent form), wrong, unparsable
@@ -8,6 +9,8 @@ or without a box, and hostile (code in the box, 1 MB outputs, 10,000 nested brac
 boxes, a power tower that only a time limit stops). It reports verified responses per second
 and per-sample times for the reward pool with one and two workers, against a baseline measured
 in the same process: math_verify's own parse + verify, sequential, on an evenly spaced subset.
+The dapo reward (DAPO's string match, reward.dapo_answer as given) runs on the same mix with two
+workers; its throughput over the math reward's and how often the two agree are printed last.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from stapo_megatron.data import load_benchmark, load_records  # noqa: E402
 from stapo_megatron.rewards import RewardPool, summarize_reasons  # noqa: E402
+from stapo_megatron.rewards.dapo_math import DAPO_ANSWERS  # noqa: E402
 
 FILLER = [
     "First, we rewrite the condition as $x^2 - 5x + 6 = 0$, which factors as $(x-2)(x-3) = 0$.",
@@ -131,8 +135,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run_pool(workers: int, responses, answers, timeout_s: float):
-    with RewardPool(num_workers=workers, timeout_s=timeout_s) as pool:
+def run_pool(workers: int, responses, answers, timeout_s: float, kind: str = "math", dapo_answer: str = "strict_box"):
+    with RewardPool(num_workers=workers, timeout_s=timeout_s, kind=kind, dapo_answer=dapo_answer) as pool:
         pool.score(["\\boxed{1}"] * workers, ["1"] * workers)  # start-up is not part of the measurement
         started = time.perf_counter()
         results = pool.score(responses, answers)
@@ -160,6 +164,7 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=5.0)
     parser.add_argument("--data-dir", type=Path, default=REPO.parent / "shared" / "data")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dapo-answer", default="strict_box", choices=DAPO_ANSWERS)
     args = parser.parse_args()
     if not (args.data_dir / "eval").is_dir():
         sys.exit(f"no evaluation files under {args.data_dir / 'eval'}: pass --data-dir")
@@ -198,6 +203,14 @@ def main() -> None:
         )
         rows.append((name, "benign", len(results), wall, [r.seconds for r in results], replaced))
 
+    dapo_name = f"RewardPool dapo ({args.dapo_answer}), 2 workers"
+    dapo_results, wall, replaced = run_pool(2, responses, answers, args.timeout_s, "dapo", args.dapo_answer)
+    rows.append((dapo_name, "all", len(dapo_results), wall, [r.seconds for r in dapo_results], replaced))
+    results, wall, replaced = run_pool(
+        2, [responses[i] for i in benign], [answers[i] for i in benign], args.timeout_s, "dapo", args.dapo_answer
+    )
+    rows.append((dapo_name, "benign", len(results), wall, [r.seconds for r in results], replaced))
+
     base_rate = {kind: count / wall for _, kind, count, wall, _, _ in rows[:2]}
     print()
     print(
@@ -219,6 +232,18 @@ def main() -> None:
         by_kind.setdefault(kind, []).append(result.reward)
     print("mean reward by kind:", json.dumps({k: round(sum(v) / len(v), 3) for k, v in sorted(by_kind.items())}))
     print(f"same reward as the baseline on its {len(subset)} responses: {agree:.1%}")
+    rate = {(name, kind): count / wall for name, kind, count, wall, _, _ in rows}
+    math_name = "RewardPool, 2 workers"
+    print(
+        f"dapo ({args.dapo_answer}) / math verdicts per second, 2 workers: "
+        + ", ".join(f"{kind} {rate[(dapo_name, kind)] / rate[(math_name, kind)]:.2f}x" for kind in ("all", "benign"))
+    )
+    same = sum(d.reward == m.reward for d, m in zip(dapo_results, results)) / len(results)
+    dapo_by_kind: dict[str, list[float]] = {}
+    for kind, result in zip(kinds, dapo_results):
+        dapo_by_kind.setdefault(kind, []).append(result.reward)
+    print(f"dapo ({args.dapo_answer}) gives the math reward's verdict on {same:.1%} of the mix; mean reward by kind:")
+    print("  " + json.dumps({k: round(sum(v) / len(v), 3) for k, v in sorted(dapo_by_kind.items())}))
     print("load average after: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     print(f"hostile side effects: {'NONE' if not (scratch / 'pwned').exists() else 'FILE CREATED'}")
     print(

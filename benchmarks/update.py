@@ -228,9 +228,11 @@ def measure(report: str, variant: str, prompts: int, group: int, cap: int, budge
                 max_tokens_per_microbatch=budget,
                 max_tokens_per_forward=2 * budget,
                 skip_zero_advantage=skip,
+                entropy_over_skipped=True,  # the default: skipped sequences still get a forward for the metrics
                 temperature=1.0,
             ),
             compute=SimpleNamespace(logits_chunk_size=256),
+            run=SimpleNamespace(seed=0),
             parallel=SimpleNamespace(sequence_parallel=False),
             algo=AlgoConfig(),
         )

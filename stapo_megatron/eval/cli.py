@@ -18,8 +18,9 @@ from stapo_megatron.config.command import (
 )
 from stapo_megatron.eval.config import EvalCommandConfig
 
-# Long enough for the paper's responses (its training allows about 15k tokens).
-DEFAULT_MAX_NEW_TOKENS = 16384
+# The STAPO paper (arXiv 2602.15620 v1) evaluates "with a maximum length of 20,480 tokens", longer than
+# its training's responses (about 15k).
+DEFAULT_MAX_NEW_TOKENS = 20480
 
 
 def parse_k(text: str | None) -> tuple[int, dict[str, int]]:
@@ -82,6 +83,7 @@ FLAGS = (
     Flag("--max-new-tokens", "eval.max_new_tokens"),
     Flag("--seed", "eval.seed"),
     Flag("--problems-per-call", "eval.problems_per_call"),
+    Flag("--verifier-model", "eval.verifier_model", metavar="PATH"),
     Flag("--engine", "rollout.engine"),
     Flag("--reward-workers", "reward.num_workers"),
 )
@@ -143,8 +145,10 @@ def register(subparsers) -> None:
         help="evaluate a model on the math benchmarks (avg@k, pass@k), or compare evaluations",
         description=(
             "Sample k responses per problem and report avg@k and pass@k per benchmark and their average, "
-            "as results.json, table.md and responses.jsonl in the output directory. Running the same command again "
-            "continues an interrupted evaluation. With --compare: one table over finished evaluations."
+            "as results.json, table.md and responses.jsonl in the output directory; with --verifier-model, the "
+            "responses the rules grade wrong are judged again by that model (verdicts.jsonl) and the rectified "
+            "scores reported beside. Running the same command again continues an interrupted evaluation. With "
+            "--compare: one table over finished evaluations."
         ),
     )
     add_command_arguments(

@@ -48,6 +48,13 @@ class EvalConfig:
         ge=0,
         le=MAX_BATCH,
     )
+    verifier_model: str = option(
+        "",
+        "stapo eval only: a Hugging Face causal LM directory (e.g. CompassVerifier-3B) that judges again every "
+        "response the rules grade wrong, in CompassVerifier's prompt; the table then gives rule-based and rectified "
+        "accuracy and the flips ('': the rules alone). Served by the evaluation's engine after the evaluated model "
+        "(the local engine runs Qwen3 models only; SGLang any it serves); read from the path, never downloaded.",
+    )
 
     def __post_init__(self):
         check_fields(self)  # `stapo eval` builds this section from its flags, not through build()
@@ -102,8 +109,9 @@ class EvalCommandConfig:
     chat_template_kwargs: dict = option({}, "Mapping passed to apply_chat_template, e.g. {enable_thinking: false}.")
     overwrite: bool = option(
         False,
-        "Discard the responses already in out and start over: removes its responses.jsonl, results.json and "
-        "table.md, nothing else, and only in a directory stapo eval made (default: continue them).",
+        "Discard the responses already in out and start over: removes its responses.jsonl, results.json, "
+        "table.md, verdicts.jsonl and verifier.json, nothing else, and only in a directory stapo eval made "
+        "(default: continue them).",
     )
     eval: EvalConfig = option(doc="Benchmarks, samples per problem, decoding.", factory=EvalConfig)
     rollout: RolloutConfig = option(
@@ -120,6 +128,8 @@ class EvalCommandConfig:
                 else "model: required (or compare: finished evaluations to tabulate)"
             )
         if self.compare:
+            if self.eval.verifier_model:
+                raise ConfigError("eval.verifier_model: compare tabulates finished evaluations; it judges nothing")
             return
         from stapo_megatron.data.prompts import render_prompt
 
@@ -135,3 +145,8 @@ class EvalCommandConfig:
             raise ConfigError("eval.data_dir: required (the directory holding aime24.jsonl, math500.jsonl, ...)")
         if not Path(self.eval.data_dir).is_dir():
             raise ConfigError(f"eval.data_dir: {self.eval.data_dir} is not a directory")
+        if self.eval.verifier_model and self.rollout.engine == "sglang" and self.rollout.sglang.urls:
+            raise ConfigError(
+                "eval.verifier_model: rollout.sglang.urls attaches to servers of the evaluated model; the verifier "
+                "needs servers launched on it (drop urls)"
+            )

@@ -31,7 +31,7 @@ from stapo_megatron.runtime.jsonl import read_json
 logger = logging.getLogger(__name__)
 
 # Either spelling of a Qwen tokenizer's vocabulary; without one, no tokenizer can be built.
-_TOKENIZER_VOCAB_FILES = ("tokenizer.json", "vocab.json")
+TOKENIZER_VOCAB_FILES = ("tokenizer.json", "vocab.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,8 @@ class ModelSource:
     tokenizer_dir: Path
 
 
-def _hf_check(directory: Path, arch: Qwen3Config) -> None:
+def hf_check(directory: Path, arch: Qwen3Config) -> None:
+    """Every tensor of ``arch`` in the checkpoint at ``directory``, with its shape, and no other."""
     ignorable = ["lm_head.weight"] if arch.tie_word_embeddings else []
     HFCheckpoint(directory).check(hf_tensor_shapes(arch), ignorable=ignorable)
 
@@ -60,7 +61,7 @@ def inspect_model(path: str, tokenizer: str | None = None) -> ModelSource:
             kind, tokenizer_dir = "megatron", directory / ASSETS_DIR
         elif (directory / "config.json").is_file():
             arch = Qwen3Config.from_hf(directory)
-            _hf_check(directory, arch)
+            hf_check(directory, arch)
             kind, tokenizer_dir = "hf", directory
         else:
             raise ConfigError(
@@ -73,22 +74,23 @@ def inspect_model(path: str, tokenizer: str | None = None) -> ModelSource:
         tokenizer_dir = Path(tokenizer)
         if not tokenizer_dir.is_dir():
             raise ConfigError(f"--tokenizer: {tokenizer} is not a directory")
-    if not any((tokenizer_dir / name).is_file() for name in _TOKENIZER_VOCAB_FILES):
-        files = " or ".join(_TOKENIZER_VOCAB_FILES)
+    if not any((tokenizer_dir / name).is_file() for name in TOKENIZER_VOCAB_FILES):
+        files = " or ".join(TOKENIZER_VOCAB_FILES)
         if tokenizer:
             raise ConfigError(f"--tokenizer: {tokenizer_dir} holds no tokenizer files ({files})")
         raise ConfigError(f"--model: {tokenizer_dir} holds no tokenizer files ({files}); pass --tokenizer DIR")
     return ModelSource(directory, kind, arch, tokenizer_dir)
 
 
-def load_tokenizer(directory: Path) -> Any:
+def load_tokenizer(directory: Path, field: str = "--tokenizer") -> Any:
+    """The tokenizer in ``directory`` (read from there only); an error names ``field``."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(directory))
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as err:  # transformers raises many types for a bad directory
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"--tokenizer: cannot load a tokenizer from {directory}: {first_line}") from None
+        raise ConfigError(f"{field}: cannot load a tokenizer from {directory}: {first_line}") from None
 
 
 def default_model_name(path: Path) -> str:
@@ -163,7 +165,7 @@ class HFExport:
 
 def load_hf_weights(engine: RolloutEngine, hf_dir: Path, arch: Qwen3Config) -> None:
     """Stream a Hugging Face checkpoint's tensors into ``engine``, one tensor at a time."""
-    _hf_check(hf_dir, arch)
+    hf_check(hf_dir, arch)
     checkpoint = HFCheckpoint(hf_dir)
     engine.load_weights((name, checkpoint.read(name)) for name in hf_tensor_shapes(arch))
 

@@ -1,8 +1,10 @@
 """``stapo eval``'s work: check the model and tokenizer, sample what is missing, write the results.
 
 Everything that can be checked without weights is checked first (the model's files, the
-tokenizer and that its vocabulary fits the model's embedding, the benchmark files, the output
-directory); only then is a checkpoint exported and an engine started.
+tokenizer and that its vocabulary fits the model's embedding, the verifier's files and tokenizer,
+the benchmark files, the output directory); only then is a checkpoint exported and an engine
+started. The verifier's engine starts after the evaluated model's has shut down, so the two never
+hold an accelerator at once.
 """
 
 from __future__ import annotations
@@ -87,10 +89,16 @@ def evaluate(cfg: EvalCommandConfig, names: FieldNames) -> None:
         load_tasks,
         prompt_settings,
     )
+    from stapo_megatron.eval.verifier import inspect_verifier, start_verifier_engine
 
     source = inspect_model(cfg.model, cfg.tokenizer or None)
     tokenizer = load_tokenizer(source.tokenizer_dir)
     check_vocabulary_fits(tokenizer, source.arch, source.tokenizer_dir, cfg.model, names.name("tokenizer"))
+    verifier = (
+        inspect_verifier(cfg.eval.verifier_model, cfg.rollout.engine, names.name("eval.verifier_model"))
+        if cfg.eval.verifier_model
+        else None
+    )
     try:
         encoder = PromptEncoder(tokenizer, cfg.template, cfg.chat_template, cfg.chat_template_kwargs)
     except ValueError as err:
@@ -122,19 +130,27 @@ def evaluate(cfg: EvalCommandConfig, names: FieldNames) -> None:
             "engine": rollout_cfg.engine,
             **prompt_settings(encoder, cfg.reward),
         }
+        verifier_settings = verifier.settings(rollout_cfg.engine) if verifier is not None else None
         try:
-            run = EvalRun(out, tasks, sampling, settings, fresh=cfg.overwrite)
+            run = EvalRun(out, tasks, sampling, settings, fresh=cfg.overwrite, verifier=verifier_settings)
         except ConfigError as err:
             raise ConfigError(f"{names.name('out')}: {err}") from None
+        device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
         with run:
             pending = run.pending()
             if pending:
                 logger.info("%d responses to sample into %s", pending, out)
                 hf_dir = export.materialize()
-                device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
                 engine = start_engine(rollout_cfg, source, hf_dir, device, out)
                 try:
                     run.generate(engine, tokenizer, cfg.reward)
+                finally:
+                    engine.shutdown()
+            if verifier is not None and run.pending_verdicts():
+                logger.info("%d rule-wrong responses for the verifier %s", run.pending_verdicts(), verifier.name)
+                engine = start_verifier_engine(verifier, cfg.rollout, device, out)
+                try:
+                    run.verify(engine, verifier)
                 finally:
                     engine.shutdown()
             results = run.results(name, {"preset": cfg.eval.decoding, "temperature": temperature, "top_p": top_p})

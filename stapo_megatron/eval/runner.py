@@ -5,6 +5,11 @@ come from one engine call whose seed derives from (eval seed, benchmark, the gro
 problem). An interrupted evaluation resumes from its responses file: a group with any sample
 missing is sampled again with the same seed, and only the missing samples are written, so with
 a deterministic engine (the local one) the result equals that of an uninterrupted run.
+
+With a verifier (:mod:`stapo_megatron.eval.verifier`), every response the rules grade wrong is
+judged again once all responses are in; its verdicts go to their own file, keyed by the response
+they judge, so a verifier can be added to a finished evaluation, an interrupted verification
+resumes, and another verifier's verdicts are replaced without sampling anything again.
 """
 
 from __future__ import annotations
@@ -30,10 +35,23 @@ from stapo_megatron.eval.store import (
     RESULTS_FILE,
     SETTINGS_FILE,
     TABLE_FILE,
+    VERDICTS_FILE,
+    VERIFIER_FILE,
     DirectoryLock,
-    ResponseStore,
+    Key,
+    RecordStore,
     write_atomic,
     write_json_atomic,
+)
+from stapo_megatron.eval.verifier import (
+    VERDICT_MAX_TOKENS,
+    Verifier,
+    parse_verdict,
+    rectified_reward,
+    response_digest,
+    verdict_counts,
+    verdict_key,
+    verdict_problem,
 )
 from stapo_megatron.rewards import (
     RewardConfig,
@@ -135,14 +153,30 @@ def _normalized(data: Any) -> Any:
     return json.loads(json.dumps(data))
 
 
+def _in_memory(record: dict) -> dict:
+    """What scoring keeps of a response record: no texts, and the digest of the response (what a verdict judges)."""
+    kept = {name: value for name, value in record.items() if name not in _TEXT_FIELDS}
+    kept["response_sha256"] = response_digest(record["response"])
+    return kept
+
+
+def _scores(correct_counts: list[int], k: int) -> dict:
+    return {
+        "avg@k": avg_at_k(correct_counts, k),
+        "pass@k": {str(j): mean_pass_at(correct_counts, k, j) for j in pass_levels(k)},
+    }
+
+
 class EvalRun:
     """An evaluation directory: ``settings.json``, ``responses.jsonl``, ``results.json``, ``table.md``.
 
     Opening it refuses a directory that is neither new, empty nor an evaluation's (one holding the
     settings.json of stapo eval), so that nothing else is ever written over or removed; then locks
     the directory, checks that responses already there were sampled with the same settings
-    (``settings`` plus ``sampling``) or removes them when ``fresh`` (responses.jsonl, results.json
-    and table.md, nothing else), and reads them. Use as a context manager.
+    (``settings`` plus ``sampling``) or removes them when ``fresh`` (responses.jsonl, results.json,
+    table.md and the verdict files, nothing else), and reads them. With ``verifier`` (its
+    settings), reads the verdicts of that verifier, after removing those of any other. Use as a
+    context manager.
     """
 
     def __init__(
@@ -153,27 +187,33 @@ class EvalRun:
         settings: dict,
         *,
         fresh: bool = False,
+        verifier: dict | None = None,
     ):
         self.directory = Path(directory)
         self.tasks = list(tasks)
         self.sampling = sampling
         # The sampling always belongs to the settings a resumed evaluation must match.
         self.settings = _normalized({**settings, **dataclasses.asdict(sampling)})
+        # Not part of the settings: verdicts can be added to, or replaced in, an evaluation.
+        self.verifier = _normalized(verifier) if verifier is not None else None
         self._check_is_evaluation_directory()
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock = DirectoryLock(self.directory)
         self._lock.acquire()
         try:
-            self.store = ResponseStore(self.directory / RESPONSES_FILE)
+            self.store = RecordStore(self.directory / RESPONSES_FILE)
+            self.verdict_store = RecordStore(self.directory / VERDICTS_FILE, verdict_problem, verdict_key)
             settings_path = self.directory / SETTINGS_FILE
             if fresh:
-                for name in (RESULTS_FILE, TABLE_FILE):
+                for name in (RESULTS_FILE, TABLE_FILE, VERIFIER_FILE):
                     (self.directory / name).unlink(missing_ok=True)
                 self.store.clear()
+                self.verdict_store.clear()
             elif settings_path.is_file():
                 self._check_same_settings(read_json(settings_path, "settings"))
             write_json_atomic(settings_path, self.settings)
-            self.records = self.store.load(drop=_TEXT_FIELDS)
+            self.records = self.store.load(keep=_in_memory)
+            self.verdicts = self._open_verdicts() if self.verifier is not None else {}
         except BaseException:
             self._lock.release()
             raise
@@ -207,6 +247,26 @@ class EvalRun:
                     f"{self.directory}: holds responses sampled with {key}={old.get(key)!r}, this evaluation has "
                     f"{key}={self.settings.get(key)!r} (use another output directory, or --overwrite to start over)"
                 )
+
+    def _open_verdicts(self) -> dict:
+        """The verdicts of this verifier; any others (verifier.json says another, or none) are removed first."""
+        path = self.directory / VERIFIER_FILE
+        try:
+            old = read_json(path, "verifier") if path.is_file() else None
+        except ConfigError:  # damaged: whose verdicts they are is unknown
+            old = None
+        if old != self.verifier:
+            if self.verdict_store.path.is_file():
+                logger.warning(
+                    "%s: holds verdicts of another verifier (%s); they are removed and asked again of %s",
+                    self.directory,
+                    old.get("model") if isinstance(old, dict) else "unknown",
+                    self.verifier.get("model") if self.verifier else None,
+                )
+            # Removed before verifier.json names the new verifier: a kill in between leaves no verdicts misnamed.
+            self.verdict_store.clear()
+        write_json_atomic(path, self.verifier)
+        return self.verdict_store.load()
 
     def close(self) -> None:
         self._lock.release()
@@ -297,9 +357,7 @@ class EvalRun:
                         )
                     self.store.append(new)
                     for row in new:
-                        self.records[(task.name, row["uid"], row["sample"])] = {
-                            name: value for name, value in row.items() if name not in _TEXT_FIELDS
-                        }
+                        self.records[(task.name, row["uid"], row["sample"])] = _in_memory(row)
                     written += len(new)
                     now = time.monotonic()
                     if written < todo and now - last_report >= progress_every_s:
@@ -310,35 +368,133 @@ class EvalRun:
             if pool is not None:
                 pool.close()
 
+    # ---- verification ------------------------------------------------------------------------
+
+    def _verdict(self, key: Key) -> dict | None:
+        """The verdict on the response of ``key`` as it is in the file (a verdict on another text does not count)."""
+        row = self.records[key]
+        verdict = self.verdicts.get((*key, row["response_sha256"]))
+        return verdict if verdict is not None and verdict["rule_reward"] == row["reward"] else None
+
+    def _unjudged(self, task: BenchmarkTask) -> list[tuple[int, int]]:
+        """(problem index, sample) of the responses the rules grade wrong that have no verdict yet."""
+        out = []
+        for i, record in enumerate(task.records):
+            for sample in range(task.k):
+                key = (task.name, record.uid, sample)
+                row = self.records.get(key)
+                if row is not None and row["reward"] != 1.0 and self._verdict(key) is None:
+                    out.append((i, sample))
+        return out
+
+    def pending_verdicts(self) -> int:
+        """Responses the rules grade wrong that the verifier has still to judge."""
+        return sum(len(self._unjudged(task)) for task in self.tasks)
+
+    def verify(self, engine: RolloutEngine, verifier: Verifier) -> None:
+        """Ask ``verifier`` (served by ``engine``) about each rule-wrong response without a verdict; write them."""
+        if self.verifier is None:
+            raise RuntimeError("EvalRun.verify: the run was opened without a verifier")
+        for task in self.tasks:
+            todo = self._unjudged(task)
+            if not todo:
+                continue
+            logger.info("%s: %d rule-wrong responses to the verifier %s", task.name, len(todo), verifier.name)
+            started = time.monotonic()
+            keys = {(task.name, task.records[i].uid, sample) for i, sample in todo}
+            # Only this benchmark's texts in memory, and only those the verifier reads.
+            texts = self.store.load(keep=lambda record: record["response"], only=keys)
+            # As many prompts per call as problems by default, for the same reasons (the local engine:
+            # bounded memory, each verdict from its own prompt; servers: full batches).
+            per_call = default_problems_per_call(engine_kind(engine))
+            for start in range(0, len(todo), per_call):
+                chunk = todo[start : start + per_call]
+                prompts = [
+                    verifier.prompt_ids(
+                        task.records[i].problem, task.records[i].answer, texts[(task.name, task.records[i].uid, s)]
+                    )
+                    for i, s in chunk
+                ]
+                fits = [len(p) + VERDICT_MAX_TOKENS <= verifier.context_length for p in prompts]
+                asked = [p for p, fit in zip(prompts, fits) if fit]
+                completions = engine.generate(asked, verifier.sampling) if asked else []
+                if len(completions) != len(asked) or any(len(c) != 1 for c in completions):
+                    raise RuntimeError(f"{task.name}: the verifier's engine returned the wrong number of completions")
+                answers = iter(completions)
+                new = []
+                for (i, sample), fit in zip(chunk, fits):
+                    key = (task.name, task.records[i].uid, sample)
+                    row = self.records[key]
+                    if fit:
+                        completion = next(answers)[0]
+                        output = response_text(verifier.tokenizer, completion.token_ids, completion.finish_reason)
+                        status = parse_verdict(output)
+                    else:
+                        output, status = "", "too_long"
+                    new.append(
+                        {
+                            "benchmark": task.name,
+                            "uid": key[1],
+                            "sample": sample,
+                            "response_sha256": row["response_sha256"],
+                            "rule_reward": row["reward"],
+                            "status": status,
+                            "rectified_reward": rectified_reward(float(row["reward"]), status),
+                            "output": output,
+                        }
+                    )
+                self.verdict_store.append(new)
+                for verdict in new:
+                    self.verdicts[verdict_key(verdict)] = verdict
+            logger.info("%s: %d verdicts in %.1f s", task.name, len(todo), time.monotonic() - started)
+
     # ---- scores ------------------------------------------------------------------------------
 
     def _benchmark_scores(self, task: BenchmarkTask) -> dict:
-        correct_counts, rewards, truncated, tokens = [], [], 0, 0
+        correct_counts, rectified_counts, rewards, verdicts, truncated, tokens = [], [], [], [], 0, 0
         for record in task.records:
-            correct = 0
+            correct = rectified = 0
             for sample in range(task.k):
-                row = self.records.get((task.name, record.uid, sample))
+                key = (task.name, record.uid, sample)
+                row = self.records.get(key)
                 if row is None:
                     raise RuntimeError(f"{task.name}: response {sample} of {record.uid} is missing; sample it first")
-                # Checked when read (ResponseStore.load) or made by the reward pool.
+                # Checked when read (RecordStore.load) or made by the reward pool.
                 result = RewardResult(float(row["reward"]), row["reason"], row["extracted"])
                 rewards.append(result)
                 correct += result.reward == 1.0
+                rectified += result.reward == 1.0
+                if self.verifier is not None and result.reward != 1.0:
+                    verdict = self._verdict(key)
+                    if verdict is None:
+                        raise RuntimeError(f"{task.name}: response {sample} of {record.uid} has no verdict; verify it")
+                    verdicts.append(verdict)
+                    rectified += verdict["rectified_reward"] == 1.0
                 truncated += row["finish_reason"] == "length"
                 tokens += row["tokens"]
             correct_counts.append(correct)
+            rectified_counts.append(rectified)
         samples = len(task.records) * task.k
-        return {
+        scores = {
             "k": task.k,
             "problems": len(task.records),
             "problems_total": task.total_problems,
             "samples": samples,
-            "avg@k": avg_at_k(correct_counts, task.k),
-            "pass@k": {str(j): mean_pass_at(correct_counts, task.k, j) for j in pass_levels(task.k)},
+            **_scores(correct_counts, task.k),
             "truncated": truncated / samples,
             "response_tokens_mean": tokens / samples,
             "reasons": summarize_reasons(rewards),
         }
+        if self.verifier is not None:
+            counts = verdict_counts(verdicts)
+            scores["verifier"] = {
+                **_scores(rectified_counts, task.k),
+                "rule_wrong": len(verdicts),
+                # Only rule-wrong responses are judged: every flip is wrong -> correct.
+                "flips": counts["correct"],
+                "verdicts": counts,
+            }
+        return scores
 
     def results(self, model: str, decoding: dict) -> dict:
         """The scores of every benchmark and their average; written to results.json and table.md."""
@@ -350,6 +506,12 @@ class EvalRun:
             "pass@k": sum(b["pass@k"][str(b["k"])] for b in scores) / len(scores),
             "truncated": sum(b["truncated"] for b in scores) / len(scores),
         }
+        if self.verifier is not None:
+            average["verifier"] = {
+                "avg@k": sum(b["verifier"]["avg@k"] for b in scores) / len(scores),
+                "pass@k": sum(b["verifier"]["pass@k"][str(b["k"])] for b in scores) / len(scores),
+                "flips": sum(b["verifier"]["flips"] for b in scores),
+            }
         results = {
             "format": RESULTS_FORMAT,
             "model": model,
@@ -358,6 +520,8 @@ class EvalRun:
             "benchmarks": benchmarks,
             "average": average,
         }
+        if self.verifier is not None:
+            results["verifier"] = {"name": Path(self.verifier["model"]).name, **self.verifier}
         results["metrics"] = flat_metrics(results)
         write_json_atomic(self.directory / RESULTS_FILE, results)
         write_atomic(self.directory / TABLE_FILE, markdown_table([results]))

@@ -1,10 +1,11 @@
-"""The files of an evaluation: the append-only responses, atomic JSON and text, and a directory lock.
+"""The files of an evaluation: the append-only responses and verdicts, atomic JSON and text, and a directory lock.
 
-Every response is one JSON line keyed by (benchmark, problem uid, sample index). A kill can only
-leave the last line incomplete: reading drops it and cuts the file back to its last newline, so
-the next append starts on a line of its own. A line inside the file that is damaged (malformed,
-longer than a response can be, or not a response record) is skipped with one warning counting
-them: its response counts as missing and is sampled again, and the line itself stays.
+Every response (and every verifier verdict) is one JSON line keyed by (benchmark, problem uid,
+sample index). A kill can only leave the last line incomplete: reading drops it and cuts the file
+back to its last newline, so the next append starts on a line of its own. A line inside the file
+that is damaged (malformed, longer than a record can be, or not a record of the file's kind) is
+skipped with one warning counting them: its response (or verdict) counts as missing and is made
+again, and the line itself stays.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Container, Hashable, Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -25,12 +26,14 @@ RESPONSES_FILE = "responses.jsonl"
 SETTINGS_FILE = "settings.json"
 RESULTS_FILE = "results.json"
 TABLE_FILE = "table.md"
+VERDICTS_FILE = "verdicts.jsonl"
+VERIFIER_FILE = "verifier.json"  # the settings of the verifier whose verdicts VERDICTS_FILE holds
 # The files of an evaluation directory that stapo eval writes, replaces or (with --overwrite) removes.
-EVALUATION_FILES = frozenset({RESPONSES_FILE, SETTINGS_FILE, RESULTS_FILE, TABLE_FILE})
+EVALUATION_FILES = frozenset({RESPONSES_FILE, SETTINGS_FILE, RESULTS_FILE, TABLE_FILE, VERDICTS_FILE, VERIFIER_FILE})
 
 Key = tuple[str, str, int]
 # A response of 10^6 tokens fits; a longer line is damage, skipped without being read into memory.
-MAX_RESPONSE_LINE_BYTES = 64 << 20
+MAX_RECORD_LINE_BYTES = 64 << 20
 
 # Field -> accepted types of one response line.
 RECORD_FIELDS: dict[str, tuple[type, ...]] = {
@@ -63,14 +66,22 @@ def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
     write_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
-def record_problem(record: dict) -> str | None:
-    """Why ``record`` is not a response record (as a phrase: "has no field 'uid'"), or None."""
-    for name, types in RECORD_FIELDS.items():
+def fields_problem(record: dict, fields: dict[str, tuple[type, ...]]) -> str | None:
+    """Why ``record`` lacks one of ``fields`` (field -> accepted types) or has a wrong type there, or None."""
+    for name, types in fields.items():
         if name not in record:
             return f"has no field '{name}'"
         value = record[name]
         if isinstance(value, bool) or not isinstance(value, types):
             return f"has a {type(value).__name__} for field '{name}'"
+    return None
+
+
+def record_problem(record: dict) -> str | None:
+    """Why ``record`` is not a response record (as a phrase: "has no field 'uid'"), or None."""
+    problem = fields_problem(record, RECORD_FIELDS)
+    if problem is not None:
+        return problem
     if not is_finite_number(record["reward"]):
         return "has a reward that is not finite"
     try:
@@ -80,31 +91,42 @@ def record_problem(record: dict) -> str | None:
     return None
 
 
-class ResponseStore:
-    """The responses file of one evaluation directory."""
+class RecordStore:
+    """An append-only JSON-lines file of one evaluation directory: its responses, or its verdicts.
 
-    def __init__(self, path: str | os.PathLike):
+    ``problem`` says why a line's record is not one of the file's (or None); ``key`` names a record.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        problem: Callable[[dict], str | None] = record_problem,
+        key: Callable[[dict], Hashable] = record_key,
+    ):
         self.path = Path(path)
+        self.problem = problem
+        self.key = key
 
-    def load(self, drop: tuple[str, ...] = ()) -> dict[Key, dict]:
-        """Every complete record by key (the first one when a key repeats), without the ``drop`` fields
-        (an evaluation's texts can take gigabytes); repairs a cut-off last line."""
+    def load(self, keep: Callable[[dict], Any] = dict, only: Container | None = None) -> dict:
+        """``keep(record)`` of every complete record by key (the first one when a key repeats), of the
+        keys in ``only`` when given; ``keep`` decides what stays in memory (an evaluation's texts can
+        take gigabytes). Repairs a cut-off last line."""
         if not self.path.is_file():
             return {}
-        records: dict[Key, dict] = {}
+        records: dict = {}
         skipped = SkippedRows(self.path)
         complete = 0  # bytes up to the end of the last whole line
         with open(self.path, "rb") as f:
-            for line in read_lines(f, MAX_RESPONSE_LINE_BYTES):
+            for line in read_lines(f, MAX_RECORD_LINE_BYTES):
                 if not line.complete:
                     break  # the tail of a write that was killed
                 complete = line.end
-                record = parse_row(line, record_problem, skipped, drop_non_finite=False)
+                record = parse_row(line, self.problem, skipped, drop_non_finite=False)
                 if record is None:
                     continue
-                key = record_key(record)
-                if key not in records:
-                    records[key] = {name: value for name, value in record.items() if name not in drop}
+                key = self.key(record)
+                if key not in records and (only is None or key in only):
+                    records[key] = keep(record)
         skipped.warn()
         if complete < self.path.stat().st_size:
             # Cut the partial line, so the next append starts on a line of its own.
@@ -116,7 +138,7 @@ class ResponseStore:
         """Append records and push them to disk before returning (a kill after this loses none of them)."""
         lines = []
         for record in records:
-            problem = record_problem(record)
+            problem = self.problem(record)
             if problem is not None:
                 raise ConfigError(f"record: {problem}")
             lines.append(json.dumps(record, ensure_ascii=True) + "\n")

@@ -46,10 +46,8 @@ from stapo_megatron.loss.token_rules import (
     TokenRule,
     TokenStats,
     get_token_rule,
-    high_entropy_mask,
     register_token_rule,
     s2t_candidates,
-    s2t_mask,
     s2t_threshold,
 )
 
@@ -73,7 +71,6 @@ __all__ = [
     "get_objective",
     "get_token_rule",
     "group_advantages",
-    "high_entropy_mask",
     "k3",
     "minibatch_threshold",
     "mismatch_sums",
@@ -86,7 +83,6 @@ __all__ = [
     "register_objective",
     "register_token_rule",
     "s2t_candidates",
-    "s2t_mask",
     "s2t_threshold",
     "select_tokens",
     "summarize_mismatch",

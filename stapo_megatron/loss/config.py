@@ -1,7 +1,7 @@
 """Every knob of the RL algorithm: token rule, clipping, KL/entropy terms, aggregation, advantages.
 
-Presets in ``configs/algo/`` (stapo, grpo, dapo, entropy20, justrl, grpo_kl, clip_cov, kl_cov, gspo) set only
-these fields.
+Presets in ``configs/algo/`` (stapo, grpo, entropy20, justrl, dapo, dapo_dynamic_sampling,
+entropy20_dynamic_sampling, clip_cov, kl_cov, gspo, stare) set only these fields.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Literal
 
 from stapo_megatron.config.core import MAX_TOKENS, ConfigError, option
 from stapo_megatron.loss.objectives import OBJECTIVES
-from stapo_megatron.loss.token_rules import TOKEN_RULES
+from stapo_megatron.loss.token_rules import TOKEN_RULES, get_token_rule
 
 
 @dataclasses.dataclass
@@ -23,13 +23,25 @@ class AlgoConfig:
         "s2t",
         "Token rule (registry key in loss.token_rules): 's2t' silences spurious tokens (STAPO), "
         "'high_entropy' keeps the top entropy tokens (20-Entropy), 'stare' reweights high-surprisal tokens "
-        "under an entropy gate (STARE), 'all' keeps every response token.",
+        "under an entropy gate (STARE), 'all' keeps every response token; the STAPO paper's masking "
+        "ablations act on S2T's candidates (A > 0, p < tau_p): 's2t_high_entropy' silences the "
+        "highest-entropy floor(q * #candidates) of them, 's2t_random' as many drawn at random (keyed by "
+        "run.seed, the step and each token's sequence and position), 'lowprob_all' all of them "
+        "(JustRL-FullMask).",
     )
-    # --- S2T ---
-    tau_p: float = option(0.002, "S2T: a token is rare when its probability is below tau_p.", gt=0, le=1)
+    # --- S2T and its ablations ---
+    tau_p: float = option(
+        0.002,
+        "S2T and its ablations: a token is rare when its probability is below tau_p (the paper's value).",
+        gt=0,
+        le=1,
+    )
+    # STAPO v1, Settings: "Unless otherwise specified, STAPO uses tau_p = 0.002 and q = 75% across
+    # all experiments."
     q: float = option(
-        0.8,
-        "S2T: quantile of the population's entropy; the bottom floor(q * #candidates) candidates are silenced.",
+        0.75,
+        "S2T: quantile of the population's entropy; the bottom floor(q * #candidates) candidates are silenced "
+        "(s2t_high_entropy, s2t_random: the same number of candidates, by highest entropy / at random).",
         ge=0,
         le=1,
     )
@@ -190,6 +202,9 @@ class AlgoConfig:
     def __post_init__(self):
         if self.token_rule not in TOKEN_RULES:
             raise ConfigError(f"token_rule: unknown rule '{self.token_rule}' (known: {', '.join(sorted(TOKEN_RULES))})")
+        rule_error = get_token_rule(self.token_rule).config_error(self)
+        if rule_error is not None:
+            raise ConfigError(rule_error)
         if self.objective not in OBJECTIVES:
             raise ConfigError(
                 f"objective: unknown objective '{self.objective}' (known: {', '.join(sorted(OBJECTIVES))})"

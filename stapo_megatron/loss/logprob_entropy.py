@@ -8,14 +8,22 @@ m the global max of z, S = sum_v exp(z_v - m) and U = sum_v exp(z_v - m) (z_v - 
 which are the notes' formulas (E = m + U/S) with every sum taken relative to m: forming E and
 then m + log S - E cancels digits when the logits are large.
 
+:func:`vocab_parallel_token_statistics` also gives R = sum_{v != y} p_v^2 = Q / S^2 with
+Q = sum_{v != y} exp(2 (z_v - m)), for the per-token gradient norm of Theorem 3.3 of the STAPO
+paper, ||d log p_y / dz||^2 = 1 - 2 p_y + sum_v p_v^2 = (1 - p_y)^2 + R. The target is left out
+of Q because 1 - 2 p_y + sum_v p_v^2 cancels every digit in fp32 as p_y -> 1 (at p_y = 1 - 1e-5
+it is 1e-10 next to rounding errors of 1e-7), where (1 - p_y)^2 + R is a sum of two exact
+non-negative terms; sum_v p_v^2 itself is p_y^2 + R.
+
 The chunk loop makes one sweep over the logits with no collective inside: each chunk's sums
 are taken relative to this rank's own per-token max m_r, found chunk by chunk. After the loop,
 one all-reduce MAX gives m, each rank rescales its partial sums to m (S_r <- a S_r,
-U_r <- a (U_r + (m_r - m) S_r), a = exp(m_r - m)), and one all-reduce SUM over the stacked
-[3, tokens] tensor (S, U, z_y - m from the owning rank) ends the forward: two collectives per
-call, whatever the number of chunks. Backward needs none: d log p_y / dz_v = 1[v=y] - p_v and
-dH/dz_v = p_v (E - z_v), each times 1/temperature, with p recomputed per chunk from the saved
-per-token m and log S, so nothing of size tokens x V/tp is kept between forward and backward.
+U_r <- a (U_r + (m_r - m) S_r), a = exp(m_r - m); Q_r <- a^2 Q_r), and one all-reduce SUM over
+the stacked [3, tokens] tensor (S, U, z_y - m from the owning rank; [4, tokens] with Q) ends the
+forward: two collectives per call, whatever the number of chunks. Backward needs none:
+d log p_y / dz_v = 1[v=y] - p_v and dH/dz_v = p_v (E - z_v), each times 1/temperature, with p
+recomputed per chunk from the saved per-token m and log S, so nothing of size tokens x V/tp is
+kept between forward and backward.
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ def _shifted(x: torch.Tensor, temperature: float, shift: torch.Tensor, out: torc
 
 class _VocabParallelLogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, group, temperature, chunk_size, vocab_size, entropy_grad):
+    def forward(ctx, logits, targets, group, temperature, chunk_size, vocab_size, entropy_grad, square_sum):
         rank, world = _group_rank_size(group)
         local_vocab = logits.shape[-1]
         x = logits.reshape(-1, local_vocab)  # a view for contiguous logits
@@ -70,7 +78,8 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         cdtype = torch.promote_types(logits.dtype, torch.float32)
         opts = dict(dtype=cdtype, device=logits.device)
         m = torch.full((tokens,), float("-inf"), **opts)  # this rank's max, then the global one
-        sums = torch.zeros(3, tokens, **opts)  # S, U, z_y - m (the last only where owned)
+        # S, U, z_y - m (only where owned), and with square_sum Q = sum_{v != y} exp(2 (z_v - m))
+        sums = torch.zeros(4 if square_sum else 3, tokens, **opts)
         if n_real > 0 and tokens > 0:
             lowest = torch.finfo(cdtype).min
             rows = min(chunk_size, tokens)
@@ -93,6 +102,13 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
                     s.sub_(m[lo:hi, None])
                 torch.exp(s, out=e)
                 torch.sum(e, dim=-1, out=sums[0, lo:hi])
+                if square_sum:
+                    # the target's column out of Q (on the rank that owns it), then back for U
+                    at_y = local_y[lo:hi, None]
+                    e_y = e.gather(1, at_y)
+                    e.scatter_(1, at_y, torch.where(owned[lo:hi, None], torch.zeros_like(e_y), e_y))
+                    torch.linalg.vecdot(e, e, dim=-1, out=sums[3, lo:hi])
+                    e.scatter_(1, at_y, e_y)
                 # nansum: a -inf logit contributes exp(-inf) * -inf = 0 * -inf, which is 0 here
                 torch.nansum(e.mul_(s), dim=-1, out=sums[1, lo:hi])
         if world > 1 and tokens > 0:
@@ -103,6 +119,8 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
                 scale = delta.exp()
                 sums[1] = scale * (sums[1] + delta * sums[0])
                 sums[0] = scale * sums[0]
+                if square_sum:
+                    sums[3] = scale.square() * sums[3]
         if n_real > 0 and tokens > 0:
             z_y = xr.gather(-1, local_y[:, None]).squeeze(-1).to(cdtype)
             if temperature != 1.0:
@@ -115,19 +133,21 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         e_shift = sums[1] / sums[0]  # E - m
         logprob = (sums[2] - log_s).view(targets.shape)
         entropy = (log_s - e_shift).view(targets.shape)
+        # R = Q / S^2; an empty tensor when not asked for
+        others = (sums[3] / sums[0].square()).view(targets.shape) if square_sum else sums.new_empty(0)
 
         ctx.save_for_backward(logits, local_y, owned, m, log_s, e_shift)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
         ctx.n_real = n_real
         ctx.set_materialize_grads(False)
-        if not entropy_grad:
-            ctx.mark_non_differentiable(entropy)
-        return logprob, entropy
+        # one call: each call replaces the set of the previous one
+        ctx.mark_non_differentiable(others, *(() if entropy_grad else (entropy,)))
+        return logprob, entropy, others
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_logprob, grad_entropy):
+    def backward(ctx, grad_logprob, grad_entropy, grad_others):
         logits, local_y, owned, m, log_s, e_shift = ctx.saved_tensors
         temperature, n_real = ctx.temperature, ctx.n_real
         local_vocab = logits.shape[-1]
@@ -135,7 +155,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         tokens = x.shape[0]
         grad = torch.empty(tokens, local_vocab, dtype=logits.dtype, device=logits.device)
         grad[:, n_real:] = 0  # padded columns do not exist for the softmax
-        no_grads = (None,) * 6
+        no_grads = (None,) * 7
         if (grad_logprob is None and grad_entropy is None) or n_real == 0 or tokens == 0:
             grad[:, :n_real] = 0
             return (grad.view(logits.shape), *no_grads)
@@ -200,6 +220,29 @@ def vocab_parallel_logprob_entropy(
     Returns ``(logprob, entropy)`` of shape ``targets.shape``; the gradient w.r.t. the logits
     has the logits' dtype.
     """
+    logprob, entropy, _ = _checked_apply(
+        logits, targets, tp_group, temperature, chunk_size, vocab_size, entropy_grad, square_sum=False
+    )
+    return logprob, entropy
+
+
+def vocab_parallel_token_statistics(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    vocab_size: int | None = None,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`vocab_parallel_logprob_entropy` (same arguments) and, third, R = sum_{v != y} p_v^2
+    over every vocabulary column but the target's (the module docstring says why the target is
+    left out; sum_v p_v^2 = p_y^2 + R), exact under TP, without a gradient, in the entropy's
+    dtype. The same two collectives; per chunk one more product over the slice."""
+    return _checked_apply(logits, targets, tp_group, temperature, chunk_size, vocab_size, entropy_grad, square_sum=True)
+
+
+def _checked_apply(logits, targets, tp_group, temperature, chunk_size, vocab_size, entropy_grad, square_sum):
     if not torch.is_tensor(logits) or not logits.is_floating_point():
         raise TypeError(f"logits: expected a floating-point tensor, got {getattr(logits, 'dtype', type(logits))}")
     if not torch.is_tensor(targets) or targets.is_floating_point() or targets.dtype == torch.bool:
@@ -227,5 +270,5 @@ def vocab_parallel_logprob_entropy(
         bad = targets[(targets < 0) | (targets >= vocab_size)][0].item()
         raise ValueError(f"targets: token id {bad} is outside the vocabulary [0, {vocab_size})")
     return _VocabParallelLogprobEntropy.apply(
-        logits, targets.long(), tp_group, float(temperature), chunk_size, vocab_size, bool(entropy_grad)
+        logits, targets.long(), tp_group, float(temperature), chunk_size, vocab_size, bool(entropy_grad), square_sum
     )

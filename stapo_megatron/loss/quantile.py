@@ -9,6 +9,10 @@ so that ``values < threshold`` selects exactly the k smallest values when they a
 Equivalently threshold = min{x : #{v <= x} > q n}, the "inverted CDF" quantile. Values tied
 with the threshold are never below it: with ties the selection is smaller than k, never larger,
 and it does not depend on the order of the values or on how they are split across ranks.
+
+Floating values are compared in fp32; integer values (the s2t_random rule's per-token scores) stay
+int64, so distinct integers never round to a tie, and "+inf" is then the int64 maximum (integer
+values must lie below it).
 """
 
 from __future__ import annotations
@@ -56,13 +60,15 @@ def quantile_threshold(
     """The threshold(q) of the module docstring over all ``values`` of all ranks of ``group``.
 
     ``values``: one tensor or a list (e.g. one per micro-batch) of this rank's values; the
-    result is the same fp32 scalar on every rank.
+    result is the same scalar on every rank: fp32, or int64 when every value tensor is integer.
     """
     if isinstance(values, torch.Tensor):
         values = [values]
     if not values:
         raise ValueError("values: need at least one tensor (it may be empty)")
-    local = torch.cat([v.reshape(-1).to(torch.float32) for v in values])
+    integer = not any(v.dtype.is_floating_point for v in values)
+    dtype = torch.int64 if integer else torch.float32
+    local = torch.cat([v.reshape(-1).to(dtype) for v in values])
     q = as_fraction(q)
     if not 0 <= q <= 1:
         raise ValueError(f"q: must be in [0, 1], got {float(q)}")
@@ -70,5 +76,6 @@ def quantile_threshold(
     n = everything.numel()
     k = math.floor(q * n)
     if k >= n:
-        return torch.tensor(float("inf"), device=local.device)
+        above_all = torch.iinfo(torch.int64).max if integer else float("inf")
+        return torch.tensor(above_all, dtype=dtype, device=local.device)
     return torch.kthvalue(everything, k + 1).values

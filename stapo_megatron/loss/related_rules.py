@@ -54,8 +54,8 @@ def _real(mask: torch.Tensor) -> torch.Tensor:
 
 def stare_surprisal_cuts(
     stats_list: Sequence[TokenStats],
-    top_fraction: float = 0.1,
-    variant: str = "O1",
+    top_fraction: float,
+    variant: str,
     group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """[c+, c-] (fp32): L+ = {A > 0, -log p >= c+}, L- = {A < 0, -log p >= c-}, each the top
@@ -84,9 +84,9 @@ def stare_weights(
     stats: TokenStats,
     cuts: torch.Tensor,
     gate_on: bool,
-    weight_w: float = 1.1,
-    weight_m: float = 0.9,
-    variant: str = "O1",
+    weight_w: float,
+    weight_m: float,
+    variant: str,
 ) -> torch.Tensor:
     """STARE's per-token loss weights of one micro-batch: W on L+, M on L- (C2), 1 on the other
     response tokens, 0 on padding; all response tokens 1 when the gate is off."""

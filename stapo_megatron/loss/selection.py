@@ -13,7 +13,7 @@ first update), calls :func:`minibatch_threshold` once on every DP rank, then
         threshold = minibatch_threshold(cfg, [stats of every micro-batch], dp_group)
     ...                                     # per micro-batch, in the loss function:
     sel = select_tokens(cfg, stats, threshold)
-    policy_loss(..., keep=sel.keep, candidates=sel.candidates, tau_h=sel.threshold)
+    policy_loss(..., keep=sel.keep, candidates=sel.candidates, tau_h=sel.tau_h)
 """
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ from stapo_megatron.loss.token_rules import TokenStats, get_token_rule
 class Selection:
     keep: torch.Tensor  # fp32 per-token weight, 0 on padding and silenced tokens
     candidates: torch.Tensor | None  # bool, tokens the rule may act on (None: the rule has none)
-    threshold: torch.Tensor | None  # the scalar threshold used (None: the rule has none)
+    threshold: torch.Tensor | None  # the threshold used (None: the rule has none)
+    # the entropy cut that threshold amounts to, for the s2t/tau_h metric (None: it is not one
+    # entropy, e.g. STARE's surprisal cuts or s2t_random's score cut)
+    tau_h: torch.Tensor | None
 
 
 def needs_statistics_pass(cfg) -> bool:
@@ -86,4 +89,6 @@ def select_tokens(cfg, stats: TokenStats, threshold: torch.Tensor | None = None)
             f"threshold: the '{rule.name}' rule in the mini_batch scope needs the threshold from "
             "minibatch_threshold() over the whole mini-batch"
         )
-    return Selection(rule.keep(stats, cfg, threshold), rule.candidates(stats, cfg), threshold)
+    return Selection(
+        rule.keep(stats, cfg, threshold), rule.candidates(stats, cfg), threshold, rule.entropy_threshold(threshold)
+    )

@@ -1,9 +1,9 @@
 """Block code evaluation in a reward worker process.
 
 Installed after the worker's warm-up. From then on ``eval``, sympy's ``parse_expr`` and
-``sympify`` of a string raise :class:`CodeEvaluationBlocked`, and so does ``exec`` unless it is
-called by ``sympy.polys.monomials``, which compiles arithmetic helpers from a count of variables
-whenever a polynomial ring with a new number of generators appears. All of them stay allowed
+``sympify`` of a string (where sympy is loaded) raise :class:`CodeEvaluationBlocked`, and so
+does ``exec`` unless it is called by ``sympy.polys.monomials``, which compiles arithmetic helpers
+from a count of variables whenever a polynomial ring with a new number of generators appears. All of them stay allowed
 while a module is being imported: module bodies run through exec, and some (sympy.physics.units,
 imported lazily by ``simplify``) sympify constant strings; a module body never sees answer text.
 
@@ -58,13 +58,23 @@ def _guarded(name: str, original, allowed_callers=frozenset()):
 
 
 def install_code_eval_guard() -> None:
-    """Block eval, parse_expr, sympify(str) and exec (but for EXEC_CALLERS) in this process from now on."""
+    """Block eval and exec (but for EXEC_CALLERS) in this process from now on, and sympy's parse_expr
+    and sympify(str) if sympy is loaded. A worker that never imports sympy (the dapo verifier's) is
+    not made to: were sympy imported later, its parsing would still end in the guarded eval."""
+    if getattr(builtins.eval, "_stapo_guard", False):
+        return
+    if "sympy" in sys.modules:
+        _guard_sympy()
+    builtins.eval = _guarded("eval", builtins.eval)
+    builtins.eval._stapo_guard = True  # type: ignore[attr-defined]  # mypy does not model function attributes
+    builtins.exec = _guarded("exec", builtins.exec, EXEC_CALLERS)
+
+
+def _guard_sympy() -> None:
     from sympy.parsing import sympy_parser
 
     sympify_module = sys.modules["sympy.core.sympify"]
     original_sympify = sympify_module.sympify
-    if getattr(original_sympify, "_stapo_guard", False):
-        return
 
     def guarded_sympify(a, *args, **kwargs):
         # sympy passes its own objects through sympify constantly; only a string becomes code.
@@ -73,8 +83,5 @@ def install_code_eval_guard() -> None:
             raise CodeEvaluationBlocked(f"sympify of a string called from {caller} is blocked in reward workers")
         return original_sympify(a, *args, **kwargs)
 
-    guarded_sympify._stapo_guard = True  # type: ignore[attr-defined]  # mypy does not model function attributes
     _rebind(original_sympify, guarded_sympify)
     _rebind(sympy_parser.parse_expr, _guarded("parse_expr", sympy_parser.parse_expr))
-    builtins.eval = _guarded("eval", builtins.eval)
-    builtins.exec = _guarded("exec", builtins.exec, EXEC_CALLERS)

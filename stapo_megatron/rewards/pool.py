@@ -1,6 +1,7 @@
 """Scoring batches of responses with a persistent pool of verification workers.
 
-The trainer's process only slices strings (finding the last box) and deduplicates
+The trainer's process only slices strings (finding the last box, or the answer DAPO's verifier
+reads in a response's last 300 characters) and deduplicates
 (answer, ground truth) pairs; every parse and comparison happens in a worker process
 (:mod:`stapo_megatron.rewards.worker`) under a per-sample time limit. A worker still busy
 ``timeout_s + kill_grace_s`` after it started a sample is killed and replaced; the sample gets
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import multiprocessing
 import os
@@ -24,7 +26,14 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from stapo_megatron.rewards.config import RewardConfig, RewardKind
-from stapo_megatron.rewards.extract import exact_answer, find_last_box, free_words_answer, normalize_exact
+from stapo_megatron.rewards.dapo_math import DapoAnswer, find_dapo_answer
+from stapo_megatron.rewards.extract import (
+    AnswerSpan,
+    exact_answer,
+    find_last_box,
+    free_words_answer,
+    normalize_exact,
+)
 from stapo_megatron.rewards.result import RewardResult
 from stapo_megatron.rewards.worker import WorkerSettings
 
@@ -68,7 +77,8 @@ class RewardPool:
     """Rewards for batches of responses: ``score(responses, answers) -> list[RewardResult]``.
 
     ``kind="math"`` verifies the last box against the ground truth in ``num_workers`` worker
-    processes; ``kind="exact"`` compares normalized strings, ``kind="free_words"`` the last word
+    processes, ``kind="dapo"`` the answer DAPO's verifier takes (``dapo_answer``) with its string
+    comparison; ``kind="exact"`` compares normalized strings, ``kind="free_words"`` the last word
     after free words, in this process, and start no worker.
     ``worker_init`` (a picklable, module-level function) runs in each worker after its warm-up,
     before the code-evaluation guard and the first sample. Not thread-safe; close it when done
@@ -88,10 +98,12 @@ class RewardPool:
         forbid_code_eval: bool = True,
         cache_size: int = 8192,
         worker_init: Callable[[], None] | None = None,
+        dapo_answer: DapoAnswer = "strict_box",
     ):
         # The config's checks, with the config's messages.
         RewardConfig(
             kind=kind,
+            dapo_answer=dapo_answer,
             num_workers=num_workers,
             timeout_s=timeout_s,
             kill_grace_s=kill_grace_s,
@@ -107,7 +119,15 @@ class RewardPool:
         self.hard_limit_s = float(timeout_s) + float(kill_grace_s)
         self.max_answer_chars = max_answer_chars
         self.prefetch = prefetch
+        # Where the answer is taken out of a response, in this process (bounded slicing and scanning).
+        self._extract: Callable[[str], AnswerSpan] = (
+            functools.partial(find_dapo_answer, mode=dapo_answer, max_chars=max_answer_chars)
+            if kind == "dapo"
+            else functools.partial(find_last_box, max_chars=max_answer_chars)
+        )
         self._settings = WorkerSettings(
+            kind=kind,
+            dapo_answer=dapo_answer,
             timeout_s=float(timeout_s),
             memory_limit_mb=memory_limit_mb,
             forbid_code_eval=forbid_code_eval,
@@ -118,7 +138,7 @@ class RewardPool:
         self._closed = False
         self._workers: list[_Worker] = []
         self._finalizer = weakref.finalize(self, _stop_all, self._workers)
-        if kind == "math":
+        if kind not in _LOCAL_EXTRACTORS:
             for _ in range(num_workers):
                 self._workers.append(self._spawn())
 
@@ -135,6 +155,7 @@ class RewardPool:
             forbid_code_eval=cfg.forbid_code_eval,
             cache_size=cfg.cache_size,
             worker_init=worker_init,
+            dapo_answer=cfg.dapo_answer,
         )
 
     # ------------------------------------------------------------------ public
@@ -157,7 +178,7 @@ class RewardPool:
         groups: dict[tuple[str, str], list[int]] = {}
         for i, (response, answer) in enumerate(zip(responses, answers)):
             started = time.perf_counter()
-            span = find_last_box(response, self.max_answer_chars)
+            span = self._extract(response)
             if span.reason is not None:
                 results[i] = RewardResult(0.0, span.reason, None, time.perf_counter() - started)
             else:

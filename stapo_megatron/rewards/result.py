@@ -10,9 +10,10 @@ from collections.abc import Iterable
 REASONS: tuple[str, ...] = (
     "correct",  # equivalent to the ground truth
     "wrong",  # parsed, and not equivalent
-    "no_box",  # no \boxed{...} / \fbox{...} in the response (math reward only)
+    "no_box",  # no \boxed{...} / \fbox{...} in the response (math; dapo: no \boxed{ in its last 100 characters)
+    "no_answer_line",  # dapo reward, dapo_answer answer_line: no "Answer: ..." in the response's last 300 characters
     "unterminated_box",  # the last box never closes (often a truncated response)
-    "empty_answer",  # the last box (or, for the exact reward, the response) is empty
+    "empty_answer",  # the last box (or, for the exact reward, the response; for dapo, the answer as compared) is empty
     "too_long",  # the answer is longer than max_answer_chars
     "parse_error",  # the answer is not a mathematical expression the parser understands
     "gold_parse_error",  # the ground truth could not be parsed and the strings differ

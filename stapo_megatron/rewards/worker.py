@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 
 from stapo_megatron.rewards.guard import CodeEvaluationBlocked, install_code_eval_guard
 
-# (answer, gold, expected reason): run at start-up so that the lazy imports and caches of every
+# (answer, gold, expected reason): run at start-up of a math worker so that the lazy imports and caches of every
 # comparison path (sets, intervals, matrices, relations, simplify, solve) are warm before the time
 # limits and the code-evaluation guard apply, and as a self-check of the installed libraries.
 WARMUP_PAIRS: tuple[tuple[str, str, str], ...] = (
@@ -54,6 +54,8 @@ WARMUP_PAIRS: tuple[tuple[str, str, str], ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class WorkerSettings:
+    kind: str  # the reward kind whose verifier runs here: math or dapo
+    dapo_answer: str  # kind dapo: RewardConfig.dapo_answer (strict_box compares without normalizing)
     timeout_s: float
     memory_limit_mb: int
     forbid_code_eval: bool
@@ -82,14 +84,12 @@ def _limit_memory(megabytes: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
 
-def _start(conn: Connection) -> tuple[WorkerSettings, object]:
-    sys.path[:] = conn.recv()
-    settings: WorkerSettings = conn.recv()
+def _math_verifier(cache_size: int):
     # math_verify warns once that its own timeout is off: the limit here replaces it.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     from stapo_megatron.rewards.math_equiv import MathVerifier
 
-    verifier = MathVerifier(settings.cache_size)
+    verifier = MathVerifier(cache_size)
     for answer, gold, expected in WARMUP_PAIRS:
         got = verifier.check(answer, gold)
         if got != expected:
@@ -97,6 +97,22 @@ def _start(conn: Connection) -> tuple[WorkerSettings, object]:
                 f"reward worker self-check failed: {answer!r} against {gold!r} gave {got!r}, expected "
                 f"{expected!r}; the installed math-verify/latex2sympy2_extended/sympy behave differently"
             )
+    return verifier
+
+
+def _start(conn: Connection) -> tuple[WorkerSettings, object]:
+    sys.path[:] = conn.recv()
+    settings: WorkerSettings = conn.recv()
+    verifier: object  # anything with check(answer, gold) -> reason
+    if settings.kind == "math":
+        verifier = _math_verifier(settings.cache_size)
+    elif settings.kind == "dapo":
+        # Plain string operations on module-level compiled patterns: nothing to warm up, no library to check.
+        from stapo_megatron.rewards.dapo_math import DapoVerifier
+
+        verifier = DapoVerifier(normalize=settings.dapo_answer != "strict_box", cache_size=settings.cache_size)
+    else:
+        raise ValueError(f"reward workers verify kinds math and dapo, not {settings.kind!r}")
     _limit_memory(settings.memory_limit_mb)
     if settings.worker_init is not None:
         settings.worker_init()

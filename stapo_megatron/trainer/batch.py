@@ -7,9 +7,12 @@ therefore costs ``P + R - 1`` model tokens (:func:`model_tokens`), which is what
 
 A packed micro-batch is one row ``[1, T]``: its sequences concatenated, with ``cu_seqlens``
 (int32, ``[n + 1]``) marking where each starts, positions restarting at 0 in each, and
-``segment_ids`` giving every token its sequence's place in ``sequence_index``. Padding (only to
-make T a multiple of ``pad_to_multiple``, and the one-token filler of an empty micro-batch) is
-its own last segment with a zero response mask, so it never reaches a sum.
+``segment_ids`` giving every token its sequence's place in ``sequence_index``, and ``sample_ids``
+giving every token its sequence's index in the rollout batch itself (-1 on padding): a token's
+identity that no packing, micro-batch budget or data-parallel split changes (the s2t_random rule
+keys its draw by it and ``position_ids``). Padding (only to make T a multiple of
+``pad_to_multiple``, and the one-token filler of an empty micro-batch) is its own last segment with
+a zero response mask, so it never reaches a sum.
 """
 
 from __future__ import annotations
@@ -280,6 +283,7 @@ def _packed(batch, chunk, device, slots, pad_to_multiple) -> dict:
         "advantages": row(3, torch.float32),
         "rollout_logprobs": row(4, torch.float32),
         "segment_ids": segment_ids,
+        "sample_ids": torch.cat([torch.tensor(chunk, dtype=torch.long), torch.tensor([-1])])[segment_ids],
         "cu_seqlens": cu_seqlens,
     }
     if slots is not None:
@@ -304,6 +308,9 @@ def _padded(batch, chunk, device, slots, pad_to_multiple) -> dict:
             mb[name][r, : p[k].numel()] = p[k]
     mb["position_ids"] = torch.arange(width).unsqueeze(0).expand(rows, width).contiguous()
     mb["segment_ids"] = torch.arange(rows).unsqueeze(1).expand(rows, width).contiguous()
+    mb["sample_ids"] = torch.full((rows, width), -1, dtype=torch.long)
+    for r, i in enumerate(chunk):
+        mb["sample_ids"][r, : parts[r][0].numel()] = i
     if slots is not None:
         index = torch.full((rows, width), slots.pad_slot, dtype=torch.long)
         for r, i in enumerate(chunk):

@@ -79,6 +79,14 @@ class BatchConfig:
         "of the loss reads them (no entropy bonus, KL or masked importance sampling; a token rule that "
         "keeps them all); their tokens still count in the loss denominator, so the update is the same.",
     )
+    entropy_over_skipped: bool = option(
+        True,
+        "With skip_zero_advantage: run the left-out zero-advantage sequences through a forward-only pass "
+        "(metrics only, never the update) so that policy/entropy, its quantiles and mismatch/logprob_abs_* "
+        "cover every response token of the step for every preset; off: only the sequences the update runs "
+        "(cheaper by that forward; the curves of presets that skip and of those that cannot are then not "
+        "comparable).",
+    )
     max_new_tokens: int = option(
         15360, "Longest response in tokens; longer ones are cut (finish reason 'length').", ge=1, le=MAX_TOKENS
     )
@@ -241,7 +249,7 @@ class TrainConfig:
     rollout: RolloutConfig = option(doc="The rollout engine.", factory=RolloutConfig)
     batch: BatchConfig = option(doc="Rollout and optimizer batch sizes, sampling settings.", factory=BatchConfig)
     algo: AlgoConfig = option(
-        doc="The RL algorithm (a preset: stapo, grpo, dapo, entropy20, justrl, grpo_kl).", factory=AlgoConfig
+        doc="The RL algorithm (a preset of configs/algo: stapo, grpo, justrl, ...).", factory=AlgoConfig
     )
     optim: OptimConfig = option(doc="AdamW, schedule and clipping.", factory=OptimConfig)
     checkpoint: CheckpointConfig = option(doc="Saving, resuming and initial weights.", factory=CheckpointConfig)

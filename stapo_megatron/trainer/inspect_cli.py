@@ -20,7 +20,9 @@ def run_inspect(args) -> None:
 
 
 def register(subparsers) -> None:
-    inspect = subparsers.add_parser("inspect", help="the most frequently silenced tokens of a run, with contexts")
+    inspect = subparsers.add_parser(
+        "inspect", help="the most frequently silenced tokens of a run, with contexts, and its gradient-norm quadrants"
+    )
     inspect.add_argument("run_dir")
     inspect.add_argument("--top", type=int_in(1, 1_000_000), default=20, help="tokens to list")
     inspect.add_argument("--examples", type=int_in(0, 10_000), default=3, help="example contexts per token")
@@ -34,6 +36,6 @@ def register(subparsers) -> None:
         "--step-rows",
         type=positive_int,
         default=20,
-        help="most rows of the per-step comparison; more dumps are grouped into step ranges",
+        help="most rows of the per-step comparison and of the quadrant table; more steps are grouped into ranges",
     )
     inspect.set_defaults(func=run_inspect)

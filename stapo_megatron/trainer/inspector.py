@@ -4,8 +4,11 @@ Every ``logging.inspect_every`` steps the last pipeline stage writes each silenc
 (the rule's candidates that it silenced; for rules without candidates, every silenced token)
 with its probability, entropy, advantage and a window of decoded text around it, to
 ``<run>/spurious/step_NNNNNNN.jsonl``. ``stapo inspect RUN`` ranks the tokens the way the STAPO
-paper's tables do. It reads the dumps as untrusted: a malformed entry is skipped with one counted
-warning per file, and the model's text is printed with its control and bidi characters escaped.
+paper's tables do, then shows the quadrants of the positive-advantage tokens from the run's
+``metrics.jsonl`` (:mod:`stapo_megatron.loss.diagnostics`: their shares of the tokens and of the
+gradient norm, per range of steps). It reads the dumps as untrusted: a malformed entry is skipped
+with one counted warning per file, and the model's text is printed with its control and bidi
+characters escaped.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from typing import Any
 import torch.distributed as dist
 
 from stapo_megatron.config import MAX_STEPS
+from stapo_megatron.loss.diagnostics import QUADRANTS
 from stapo_megatron.runtime.distributed import ParallelContext
 from stapo_megatron.runtime.jsonl import is_number, read_rows, shown_key
 from stapo_megatron.runtime.run_files import atomic_open
 from stapo_megatron.runtime.safe_text import printable
+from stapo_megatron.trainer.metrics import read_metrics
 
 DUMP_DIR = "spurious"
 # The fields of a dump entry a reader uses, and what each must be; step and token are required.
@@ -212,14 +217,52 @@ def paper_comparison(entries: list[dict], top: int = 5, max_rows: int = 20) -> l
     return lines
 
 
+def quadrant_table(rows: list[dict], max_rows: int = 20) -> list[str]:
+    """Per range of logged steps (at most ``max_rows`` ranges of consecutive steps) and over all
+    steps: each quadrant's share of the positive-advantage tokens and of their summed gradient
+    norm, exact over the range (summed counts and norms, not a mean of the steps' shares). []
+    when ``rows`` (metrics.jsonl rows) hold no quadrant metrics (a run of an earlier release)."""
+    by_step = {r["step"]: r for r in rows if r.get("quadrant/positive_tokens") is not None}
+    if not by_step:
+        return []
+    lines = [
+        "positive-advantage tokens by quadrant (lowp: p < tau_p; lowh: entropy below the split, the median of",
+        "these tokens' entropy or algo.tau_h), each quadrant's share of the tokens / of the summed gradient",
+        "norm ||d loss / dz|| (the STAPO paper's Theorem 3.3):",
+        f"{'steps':<13} {'A>0 tokens':>10} " + " ".join(f"{name:>17}" for name in QUADRANTS),
+    ]
+
+    def row(label: str, chosen: list[dict]) -> str:
+        tokens = sum(r["quadrant/positive_tokens"] for r in chosen)
+        cells = []
+        for name in QUADRANTS:
+            count = sum(r.get(f"quadrant/{name}_tokens") or 0.0 for r in chosen)
+            weighted = [r for r in chosen if r.get(f"quadrant/{name}_grad_share") is not None]
+            norm = sum(r["quadrant/grad_norm_sum"] for r in weighted)
+            grad = sum(r[f"quadrant/{name}_grad_share"] * r["quadrant/grad_norm_sum"] for r in weighted)
+            token_share = f"{count / tokens:.1%}" if tokens else "-"
+            grad_share = f"{grad / norm:.1%}" if norm else "-"
+            cells.append(f"{token_share:>7} / {grad_share:>7}")
+        return f"{label:<13} {tokens:>10,.0f} " + " ".join(cells)
+
+    for group in step_groups(sorted(by_step), max_rows):
+        label = str(group[0]) if len(group) == 1 else f"{group[0]}..{group[-1]}"
+        lines.append(row(label, [by_step[step] for step in group]))
+    lines.append(row("all", list(by_step.values())))
+    return lines
+
+
 def summarize(
     run_dir: str | os.PathLike, top: int = 20, examples: int = 3, per_step_top: int = 5, max_step_rows: int = 20
 ) -> str:
     """The most frequently silenced tokens, with mean probability and entropy and example
-    contexts, then the per-step comparison with the paper's token classes (:func:`paper_comparison`)."""
+    contexts, then the per-step comparison with the paper's token classes (:func:`paper_comparison`),
+    then the quadrants of the positive-advantage tokens (:func:`quadrant_table`)."""
+    quadrants = quadrant_table(read_metrics(run_dir), max_step_rows)
+    after = ["", *quadrants] if quadrants else []
     entries = read_dumps(run_dir)
     if not entries:
-        return f"{run_dir}: no silenced tokens recorded (see logging.inspect_every)"
+        return "\n".join([f"{run_dir}: no silenced tokens recorded (see logging.inspect_every)", *after])
     counts = Counter(e["token"] for e in entries)
     by_token = defaultdict(list)
     for e in entries:
@@ -248,4 +291,4 @@ def summarize(
             )
     lines.append("")
     lines.extend(paper_comparison(entries, per_step_top, max_step_rows))
-    return "\n".join(lines)
+    return "\n".join(lines + after)

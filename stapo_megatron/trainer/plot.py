@@ -17,6 +17,7 @@ import struct
 from pathlib import Path
 
 from stapo_megatron.config import MAX_STEPS, ConfigError
+from stapo_megatron.loss.diagnostics import ENTROPY_QUANTILES, QUADRANTS
 from stapo_megatron.runtime.run_files import atomic_open
 from stapo_megatron.trainer.metrics import METRICS_FILE, read_metrics
 from stapo_megatron.trainer.run_directory import is_run_directory
@@ -28,11 +29,20 @@ _OWN_TEXT = b"Software\x00" + FIGURE_SOFTWARE.encode()
 # matplotlib writes the text chunks right after the header; this many chunks are looked at.
 _HEADER_CHUNKS = 16
 
-# (metric, panel title) in the order of the panels.
+# (metric, panel title) in the order of the panels; a panel of several metrics names them as
+# (metric, line label) pairs and draws a line per metric and run.
 PANELS = (
     ("reward/accuracy", "accuracy of sampled responses"),
     ("reward/mean", "reward (shaped)"),
-    ("policy/entropy", "policy entropy (response tokens)"),
+    ("policy/entropy", "policy entropy (every response token)"),
+    (
+        tuple((f"policy/entropy_{name}", name) for name, _ in ENTROPY_QUANTILES),
+        "policy entropy quantiles (every response token)",
+    ),
+    (
+        tuple((f"quadrant/{name}_grad_share", name) for name in QUADRANTS),
+        "A > 0 tokens' share of the gradient norm (lowp: p < tau_p, lowh: H < split)",
+    ),
     ("s2t/masked_fraction", "S2T masked fraction"),
     ("response/length_mean", "response length (tokens)"),
     ("response/clipped_fraction", "responses cut at the length limit"),
@@ -121,8 +131,9 @@ def plot_panels(
     columns: int = 2,
     log_panels: frozenset[str] = frozenset(),
 ) -> Path:
-    """Write ``out`` (whole, marked as stapo's): a panel per (metric, title) of ``panels``, a line
-    per (label, metrics rows) of ``runs``, each smoothed over ``window`` steps. Metrics in
+    """Write ``out`` (whole, marked as stapo's): a panel per (metric, title) of ``panels`` (or
+    per ((metric, label), ...), title): several metrics, each line labelled), a line per (label,
+    metrics rows) of ``runs`` and metric, each smoothed over ``window`` steps. Metrics in
     ``log_panels`` get a symmetric log axis (linear near 0), so that values of 1e-4 and of 0.8
     show on one panel. The caller checks that ``out`` may be written (:func:`check_figure_path`)."""
     import matplotlib
@@ -136,13 +147,18 @@ def plot_panels(
     figure, axes = plt.subplots(rows_count, columns, figsize=(6 * columns, 3.2 * rows_count), squeeze=False)
     for axis in axes.flat[len(panels) :]:
         axis.set_visible(False)
-    for axis, (key, panel_title) in zip(axes.flat, panels):
+    for axis, (metrics, panel_title) in zip(axes.flat, panels):
+        lines = [(metrics, None)] if isinstance(metrics, str) else list(metrics)
         for name, rows in runs:
-            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-            if points:
-                steps, values = zip(*points)
-                axis.plot(steps, smooth(list(values), window), label=name, linewidth=1.4)
-        if key in log_panels:
+            for key, label in lines:
+                points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+                if points:
+                    steps, values = zip(*points)
+                    shown = name if label is None else (f"{name} {label}" if len(runs) > 1 else label)
+                    axis.plot(steps, smooth(list(values), window), label=shown, linewidth=1.4)
+        if len(lines) > 1 and axis.get_lines():
+            axis.legend(fontsize=7)
+        if any(key in log_panels for key, _ in lines):
             axis.set_yscale("symlog", linthresh=1e-4)
             axis.set_ylim(bottom=0)  # fractions: no negative decades
         axis.set_title(panel_title, fontsize=10)
@@ -151,6 +167,13 @@ def plot_panels(
     axes.flat[0].legend(fontsize=8)
     figure.suptitle(title, fontsize=11)
     figure.tight_layout()
+    return save_figure(figure, out)
+
+
+def save_figure(figure, out: Path) -> Path:
+    """Write ``figure`` to ``out`` as a PNG marked as drawn by this project (atomically), then close it."""
+    import matplotlib.pyplot as plt
+
     try:
         with atomic_open(out, "wb") as f:
             figure.savefig(f, format="png", dpi=110, metadata={"Software": FIGURE_SOFTWARE})

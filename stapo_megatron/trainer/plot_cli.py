@@ -11,7 +11,9 @@ def run_plot(args) -> None:
 
 def register(subparsers) -> None:
     plot = subparsers.add_parser(
-        "plot", help="PNG curves of one or more runs (reward, entropy, masked fraction, length)"
+        "plot",
+        help="PNG curves of one or more runs (reward, entropy and its quantiles, gradient-norm quadrants, "
+        "masked fraction, length)",
     )
     plot.add_argument("run_dirs", nargs="+", help="run directories (with metrics.jsonl)")
     plot.add_argument("--out", default=None, help="PNG to write (default: <first run>/curves.png)")

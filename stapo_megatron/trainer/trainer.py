@@ -425,7 +425,7 @@ class Trainer:
                 self.optimizer_steps += 1
 
         with timer("update"):  # micro-batch building and metrics; the passes time themselves inside
-            done = self.updater.update_step(batch, timer, on_result=count_skipped)
+            done = self.updater.update_step(batch, timer, on_result=count_skipped, step=step)
         if self.cfg.logging.inspect_every and step % self.cfg.logging.inspect_every == 0:
             with timer("inspect"):
                 self.inspector.dump(

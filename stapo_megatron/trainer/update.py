@@ -9,7 +9,9 @@ every rank (empty ones fill up). Statistics live in per-rank token vectors
 (:class:`~stapo_megatron.trainer.batch.TokenSlots`), so a pass in one layout feeds the loss in
 the other. Sequences with advantage 0 are left out when nothing of the configured loss reads them
 (:func:`~stapo_megatron.loss.zero_advantage_skippable`); their kept tokens are added to the loss
-denominator, so the update is the same.
+denominator, so the update is the same. They still get a forward-only statistics pass of their
+own, which feeds only the step's metrics: the policy entropy and its quantiles cover every
+response token of the step for every preset (``time/skipped_statistics`` is its cost).
 
 Everything about tokens happens on the last pipeline stage, where the logits are.
 """
@@ -40,7 +42,14 @@ from stapo_megatron.loss import (
     vocab_parallel_logprob_entropy,
     zero_advantage_skippable,
 )
-from stapo_megatron.loss.metrics import OLD_PASS_ONLY, Reduction, combine_steps, declare
+from stapo_megatron.loss.diagnostics import (
+    PositiveTokens,
+    entropy_quantiles,
+    positive_token_gradients,
+    quadrant_metrics,
+)
+from stapo_megatron.loss.logprob_entropy import vocab_parallel_token_statistics
+from stapo_megatron.loss.metrics import Reduction, combine_steps, declare
 from stapo_megatron.models.qwen3.parallelize import sequence_multiple
 from stapo_megatron.runtime.distributed import ParallelContext
 from stapo_megatron.trainer.batch import (
@@ -81,6 +90,9 @@ class StepPlan:
     minibatches: list[MinibatchPlan]
     slots: TokenSlots  # this rank's sequences of the whole step
     metrics: dict[str, float]  # batch/*: computed alike on every rank from the whole batch
+    # The left-out zero-advantage sequences of the whole step, packed by the forward budget, the
+    # same count on every rank (none when nothing is left out): the metrics-only statistics pass.
+    skipped_forward: list[dict] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -134,24 +146,23 @@ def plan_step(batch: RolloutBatch, cfg, ctx: ParallelContext, pad_to_multiple: i
     bounds = [round(i * groups / count) for i in range(count + 1)]
     lengths = [model_tokens(batch, i) for i in range(len(batch))]
     skippable = b.skip_zero_advantage and zero_advantage_skippable(cfg.algo)
+    # the largest multiples of pad_to_multiple in the budgets: padding never takes a row over them
+    update_budget = b.max_tokens_per_microbatch // pad_to_multiple * pad_to_multiple
+    forward_budget = b.max_tokens_per_forward // pad_to_multiple * pad_to_multiple
     mine_all: list[int] = []
+    left_out_all: list[int] = []
     shares: list[tuple[list[list[int]], list[list[int]], list[int]]] = []  # this rank's (update, forward, skipped)
     rows: list[dict[str, float]] = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         sequences = [i for i in range(len(batch)) if lo <= int(batch.group_ids[i]) < hi]
         zero = [i for i in sequences if skippable and float(batch.advantages[i]) == 0.0]
         left_out = set(zero)
+        if b.entropy_over_skipped:  # a forward-only pass for the step's metrics (batch.entropy_over_skipped)
+            left_out_all.extend(zero)
         run = [i for i in sequences if i not in left_out]
         parts = balance_over_ranks(run, lengths, ctx.dp_size)
-        # the largest multiple of pad_to_multiple in the budget: padding never takes a row over it
-        update_bins = [
-            pack_by_budget(part, lengths, b.max_tokens_per_microbatch // pad_to_multiple * pad_to_multiple)
-            for part in parts
-        ]
-        forward_bins = [
-            pack_by_budget(part, lengths, b.max_tokens_per_forward // pad_to_multiple * pad_to_multiple)
-            for part in parts
-        ]
+        update_bins = [pack_by_budget(part, lengths, update_budget) for part in parts]
+        forward_bins = [pack_by_budget(part, lengths, forward_budget) for part in parts]
         update_count = max(1, *(len(x) for x in update_bins))
         forward_count = max(1, *(len(x) for x in forward_bins))
         update_tokens = padded_tokens = 0
@@ -191,7 +202,15 @@ def plan_step(batch: RolloutBatch, cfg, ctx: ParallelContext, pad_to_multiple: i
                 skipped_sequences=sum(1 for i in zero if batch.response_ids[i]),
             )
         )
-    return StepPlan(minibatches, slots, combine_steps(rows))
+    skipped_bins = [
+        pack_by_budget(part, lengths, forward_budget) for part in balance_over_ranks(left_out_all, lengths, ctx.dp_size)
+    ]
+    skipped_count = max(len(x) for x in skipped_bins)
+    mine_skipped = skipped_bins[ctx.dp_rank] + [[]] * (skipped_count - len(skipped_bins[ctx.dp_rank]))
+    skipped_forward = (
+        make_microbatches(batch, mine_skipped, ctx.device, pad_to_multiple=pad_to_multiple) if skipped_count else []
+    )
+    return StepPlan(minibatches, slots, combine_steps(rows), skipped_forward)
 
 
 # Of each optimizer step (PolicyUpdater.train_minibatch); the loss's own metrics are declared in
@@ -227,15 +246,14 @@ class PolicyUpdater:
         self.last_stage = ctx.is_last_stage
         self.tp_group = ctx.tp_group
         self.dp_group = ctx.dp_group
+        self.step: int | None = None  # set by update_step
         # sequence parallelism splits the packed row over the tensor-parallel ranks
         self.pad_to_multiple = sequence_multiple(ctx.tp_size, cfg.parallel.sequence_parallel)
 
     # ---- token statistics --------------------------------------------------------------------
 
-    def _token_logprob_entropy(self, logits: torch.Tensor, batch: dict, entropy_grad: bool = False):
-        return vocab_parallel_logprob_entropy(
-            logits,
-            batch["labels"],
+    def _vocab_parallel_args(self, entropy_grad: bool = False) -> dict:
+        return dict(
             tp_group=self.tp_group,
             temperature=self.cfg.batch.temperature,
             chunk_size=self.cfg.compute.logits_chunk_size,
@@ -243,12 +261,17 @@ class PolicyUpdater:
             entropy_grad=entropy_grad,
         )
 
+    def _token_logprob_entropy(self, logits: torch.Tensor, batch: dict):
+        return vocab_parallel_logprob_entropy(logits, batch["labels"], **self._vocab_parallel_args())
+
     def statistics(self, microbatches: list[dict]) -> list[TokenStats]:
         """Forward-only log-prob and entropy of every token under the current weights (last stage)."""
 
         def step(logits, batch):
             logprob, entropy = self._token_logprob_entropy(logits, batch)
-            return TokenStats(logprob, entropy, batch["advantages"], batch["response_mask"])
+            return TokenStats(
+                logprob, entropy, batch["advantages"], batch["response_mask"], **self._token_identity(batch)
+            )
 
         return forward_only(self.model, microbatches, step)
 
@@ -276,10 +299,15 @@ class PolicyUpdater:
         logprobs = self.reference.logprobs(microbatches, lambda logits, mb: self._token_logprob_entropy(logits, mb)[0])
         return self._slot_vector(slots, microbatches, logprobs) if self.last_stage else None
 
-    @staticmethod
-    def _read_slots(tables: tuple[torch.Tensor, torch.Tensor], mb: dict) -> TokenStats:
+    def _read_slots(self, tables: tuple[torch.Tensor, torch.Tensor], mb: dict) -> TokenStats:
         logprob, entropy = (t[mb["token_index"]] for t in tables)
-        return TokenStats(logprob, entropy, mb["advantages"], mb["response_mask"])
+        return TokenStats(logprob, entropy, mb["advantages"], mb["response_mask"], **self._token_identity(mb))
+
+    def _token_identity(self, mb: dict) -> dict:
+        """Each token's identity in the step, for rules that draw at random (s2t_random)."""
+        return dict(
+            sample_ids=mb["sample_ids"], positions=mb["position_ids"], run_seed=self.cfg.run.seed, step=self.step
+        )
 
     # ---- one rollout step --------------------------------------------------------------------
 
@@ -289,21 +317,29 @@ class PolicyUpdater:
         timer: Callable | None = None,
         on_result: Callable[[MinibatchResult], None] | None = None,
         plan: StepPlan | None = None,
+        step: int | None = None,
     ) -> StepResult:
         """Old statistics, then per mini-batch: threshold, selection, one optimizer step.
         ``timer(name)``: a context manager per phase; ``on_result``: called after each optimizer
         step (the trainer counts skipped steps there); ``plan``: micro-batches laid out by the
         caller (benchmarks/update.py's padded reference) instead of :func:`plan_step`'s."""
         phase = timer or (lambda name: contextlib.nullcontext())
+        self.step = step  # the training step, for rules that draw at random (None: none given)
         if plan is None:
             with phase("microbatches"):
                 plan = plan_step(batch, self.cfg, self.ctx, self.pad_to_multiple)
         forward_all = [mb for m in plan.minibatches for mb in m.forward]
         with phase("statistics"):
             old_stats = self.statistics(forward_all)
+        skipped_stats: list[TokenStats] = []
+        if plan.skipped_forward:  # metrics only: every response token of the step, for every preset
+            with phase("skipped_statistics"):
+                skipped_stats = self.statistics(plan.skipped_forward)
         metrics = dict(plan.metrics)
-        metrics.update(rollout_statistics(self.ctx, old_stats, forward_all))
+        metrics.update(rollout_statistics(self.ctx, old_stats + skipped_stats, forward_all + plan.skipped_forward))
         metrics.update(candidate_mismatch(self.ctx, old_stats, forward_all, self.algo.tau_p))
+        # the mean over every response token of the step (last stage; None elsewhere): STARE's gate
+        step_entropy = metrics.get("policy/entropy")
         old = self._to_slots(plan.slots, forward_all, old_stats) if self.last_stage else None
         ref = None
         if self.reference is not None:
@@ -325,9 +361,7 @@ class PolicyUpdater:
                     current = self._to_slots(plan.slots, minibatch.forward, current_stats) if j else old
             first += len(minibatch.forward)
             with phase("update"):
-                result, stats = self.train_minibatch(
-                    minibatch, old, current, threshold, ref, step_entropy=metrics.get("policy/entropy")
-                )
+                result, stats = self.train_minibatch(minibatch, old, current, threshold, ref, step_entropy)
             if on_result is not None:
                 on_result(result)
             results.append(result)
@@ -372,10 +406,13 @@ class PolicyUpdater:
                 }
 
         collected = []
+        positives: list[PositiveTokens] = []  # per micro-batch, for the quadrant/* metrics
 
         def loss_fn(logits, batch):
             given = inputs[id(batch)]
-            logprob, entropy = self._token_logprob_entropy(logits, batch, entropy_grad=self.algo.entropy_coef > 0)
+            logprob, entropy, others_square_sum = vocab_parallel_token_statistics(
+                logits, batch["labels"], **self._vocab_parallel_args(entropy_grad=self.algo.entropy_coef > 0)
+            )
             selection = given["selection"]
             if selection is None:  # a rule without a mini-batch threshold: this micro-batch decides
                 stats = TokenStats(
@@ -384,6 +421,7 @@ class PolicyUpdater:
                     batch["advantages"],
                     batch["response_mask"],
                     step_entropy=step_entropy,
+                    **self._token_identity(batch),
                 )
                 selection = select_tokens(self.algo, stats, None)
                 collected.append(selection)
@@ -404,8 +442,7 @@ class PolicyUpdater:
                 aggregation=self.algo.aggregation,
                 response_mask=batch["response_mask"],
                 candidates=selection.candidates,
-                # a rule's scalar threshold only (STARE's is a pair of surprisal cuts)
-                tau_h=selection.threshold if selection.threshold is None or selection.threshold.dim() == 0 else None,
+                tau_h=selection.tau_h,
                 rollout_logprob=batch["rollout_logprobs"],
                 rollout_correction=self.algo.rollout_correction,
                 rollout_correction_cap=self.algo.rollout_correction_cap,
@@ -414,6 +451,11 @@ class PolicyUpdater:
                 objective=self.algo.objective,
                 objective_cfg=self.algo,
                 objective_seed=token_seed(batch["labels"]) if get_objective(self.algo.objective).draws_random else 0,
+            )
+            positives.append(
+                positive_token_gradients(
+                    loss_sum, logprob, entropy, others_square_sum, batch["advantages"], batch["response_mask"]
+                )
             )
             if given["skipped_tokens"]:
                 # left-out zero-advantage sequences: kept by the rule, no gradient, in the denominator
@@ -448,6 +490,9 @@ class PolicyUpdater:
         if self.last_stage:
             reduced = all_reduce_metrics(local, self.dp_group)
             metrics.update(summarize_loss_metrics(reduced))
+            metrics.update(
+                quadrant_metrics(positives, self.algo.tau_p, self.algo.tau_h, self.dp_group, device=self.ctx.device)
+            )
         return MinibatchResult(metrics=metrics, skipped=skipped, selections=selections), decided_on
 
     def _grads_finite(self) -> bool:
@@ -483,34 +528,39 @@ def candidate_mismatch(
 declare(
     Reduction.SUM,
     {
-        "old_response_tokens": "response tokens run through the old-statistics pass",
+        "old_response_tokens": "response tokens of the old-policy statistics passes",
         "old_entropy_sum": "sum of the old policy's entropy over them",
         "old_mismatch_abs_sum": "sum of |log pi_old - log pi_rollout| over them",
-        "policy/statistics_tokens": "response tokens run through the old-statistics pass, all data-parallel ranks "
-        "(what policy/entropy and mismatch/logprob_abs_* cover)",
+        "policy/statistics_tokens": "response tokens of the step, all data-parallel ranks, zero-advantage ones "
+        "included (what policy/entropy, its quantiles and mismatch/logprob_abs_* cover; with "
+        "batch.entropy_over_skipped off: only the sequences run)",
     },
 )
 declare(
     Reduction.MAX,
     {
         "old_mismatch_abs_max": "largest |log pi_old - log pi_rollout| over them (0: none)",
-        "mismatch/logprob_abs_max": "largest |log pi_old - log pi_rollout|" + OLD_PASS_ONLY,
+        "mismatch/logprob_abs_max": "largest |log pi_old - log pi_rollout| over every response token of the step",
     },
 )
 declare(
     Reduction.WEIGHTED_MEAN,
     {
-        "policy/entropy": "mean entropy of the old policy" + OLD_PASS_ONLY,
-        "mismatch/logprob_abs_mean": "mean |log pi_old - log pi_rollout|" + OLD_PASS_ONLY,
+        "policy/entropy": "mean entropy of the old policy over every response token of the step, zero-advantage "
+        "sequences included (those batch.skip_zero_advantage leaves out of the update get a forward-only pass "
+        "for it; with batch.entropy_over_skipped off: only the sequences run), the same population for every "
+        "preset",
+        "mismatch/logprob_abs_mean": "mean |log pi_old - log pi_rollout| over every response token of the step",
     },
     weight="policy/statistics_tokens",
 )
 
 
 def rollout_statistics(ctx: ParallelContext, old_stats: list[TokenStats], microbatches: list[dict]) -> dict[str, float]:
-    """Policy entropy and the train/rollout log-prob mismatch (declared above) over the response
-    tokens of the data-parallel group that the old-statistics pass ran; computed on the last stage
-    (empty elsewhere). Collective over ``ctx.dp_group``."""
+    """Policy entropy with its quantiles (:func:`~stapo_megatron.loss.diagnostics.entropy_quantiles`)
+    and the train/rollout log-prob mismatch (declared above) over the response tokens of
+    ``microbatches`` on every rank of the data-parallel group (the update passes every response
+    token of the step); computed on the last stage (empty elsewhere). Collective over ``ctx.dp_group``."""
     if not ctx.is_last_stage:
         return {}
 
@@ -535,9 +585,11 @@ def rollout_statistics(ctx: ParallelContext, old_stats: list[TokenStats], microb
     )
     totals = all_reduce_metrics(local, ctx.dp_group, device=ctx.device)
     tokens = float(totals["old_response_tokens"])
+    entropies = [stats.entropy[mb["response_mask"] > 0] for stats, mb in zip(old_stats, microbatches)]
     return {
         "policy/statistics_tokens": tokens,
         "policy/entropy": float(totals["old_entropy_sum"]) / max(tokens, 1.0),
+        **entropy_quantiles(entropies, ctx.dp_group, device=ctx.device),
         "mismatch/logprob_abs_mean": float(totals["old_mismatch_abs_sum"]) / max(tokens, 1.0),
         "mismatch/logprob_abs_max": float(totals["old_mismatch_abs_max"]),
     }

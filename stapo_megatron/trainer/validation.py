@@ -100,7 +100,7 @@ def check_train_config(cfg: TrainConfig, files: bool = True) -> None:
             f"algo.overlong_buffer: {cfg.algo.overlong_buffer} is longer than batch.max_new_tokens "
             f"{cfg.batch.max_new_tokens}"
         )
-    if cfg.data.is_synthetic and cfg.reward.kind == "math":
+    if cfg.data.is_synthetic and cfg.reward.kind in ("math", "dapo"):
         raise ConfigError(
             "reward.kind: the synthetic task is scored with free_words or exact (its answers have no \\boxed{})"
         )
@@ -118,6 +118,10 @@ def check_train_config(cfg: TrainConfig, files: bool = True) -> None:
             path = Path(cfg.eval.data_dir) / get_benchmark(name).file_name
             if not path.is_file():
                 raise ConfigError(f"eval.data_dir: {path} (benchmark {name}) does not exist")
+    if cfg.eval.verifier_model:
+        raise ConfigError(
+            "eval.verifier_model: only for stapo eval (evaluation inside training grades with the rules alone)"
+        )
     if cfg.logging.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ConfigError("logging.wandb_project: wandb is not installed (pip install 'stapo_megatron[wandb]')")
     _check_data(cfg, files)

@@ -69,7 +69,7 @@ def test_eval_config_file_overrides_and_flags(tmp_path):
     assert isinstance(cfg, EvalCommandConfig)
     assert (cfg.eval.limit, cfg.eval.seed, cfg.eval.k, cfg.eval.k_by_benchmark) == (3, 7, 8, {"aime24": 16})
     assert cfg.eval.benchmarks == ["aime24", "amc23"] and cfg.template == "raw"
-    assert cfg.eval.max_new_tokens == 16384  # the eval command's default, not the training section's 0
+    assert cfg.eval.max_new_tokens == 20480  # the eval command's default, not the training section's 0
     assert cfg.reward.num_workers == 5 and cfg.chat_template_kwargs == {"enable_thinking": False}
     sglang = cfg.rollout.sglang
     assert (cfg.rollout.engine, sglang.tp_size, sglang.mem_fraction_static) == ("sglang", 2, 0.5)
@@ -238,7 +238,7 @@ def test_config_docs_of_a_command(capsys):
     out = capsys.readouterr().out
     names = [line.split()[0] for line in out.splitlines() if not line.startswith(" ")]
     assert names == [name for name, *_ in describe(EvalCommandConfig)]
-    assert "eval.max_new_tokens  (int in [0, 1048576], default 16384)" in out
+    assert "eval.max_new_tokens  (int in [0, 1048576], default 20480)" in out
     assert main(["config", "--docs", "plan", "--section", "plan"]) == 0
     assert "plan.gpus  (int | None in [1, 1048576], default None)" in capsys.readouterr().out
     assert main(["config", "--docs", "--section", "algo"]) == 0  # train's, as before

@@ -1,6 +1,9 @@
-"""A rollout engine whose answers are known in advance, for exact checks of the evaluation pipeline."""
+"""Rollout engines whose answers are known in advance, for exact checks of the evaluation pipeline:
+the evaluated model's and a verifier's."""
 
 from __future__ import annotations
+
+import re
 
 from stapo_megatron.eval.runner import BenchmarkTask
 from stapo_megatron.rollout.engine import Completion, RolloutEngine, SamplingParams
@@ -40,6 +43,46 @@ class ScriptedEngine(RolloutEngine):
 
     def load_weights(self, named_tensors, version=None):
         raise RuntimeError("the scripted engine has no weights to load")
+
+    def release_memory(self):
+        pass
+
+    def resume_memory(self):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+class ScriptedVerifier(RolloutEngine):
+    """A verifier's engine that answers ``script(sample index)`` about the response in each prompt.
+
+    The sample index is read from the response the scripted engine wrote ("Seed N, sample S: ..."),
+    found inside the candidate's-answer block of the prompt; every decoded prompt is kept in ``prompts``
+    and every call's sampling in ``calls``.
+    """
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer = tokenizer
+        self.script = script
+        self.prompts: list[str] = []
+        self.calls: list[SamplingParams] = []
+        self.end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def generate(self, prompts, params: SamplingParams):
+        self.calls.append(params)
+        out = []
+        for prompt in prompts:
+            text = self.tokenizer.decode(prompt)
+            self.prompts.append(text)
+            candidate = text.split("<Candidate's Answer Begin>: \n", 1)[1].split("\n<Candidate's Answer End>", 1)[0]
+            sample = int(re.match(r"Seed \d+, sample (\d+):", candidate).group(1))
+            ids = self.tokenizer(self.script(sample), add_special_tokens=False)["input_ids"] + [self.end_of_turn]
+            out.append([Completion(list(ids), [0.0] * len(ids), "stop")])
+        return out
+
+    def load_weights(self, named_tensors, version=None):
+        raise RuntimeError("the scripted verifier has no weights to load")
 
     def release_memory(self):
         pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -107,3 +108,52 @@ def test_parse_k_and_model_names(tmp_path):
     run_checkpoint.mkdir(parents=True)
     assert default_model_name(run_checkpoint) == "stapo-1.7b/iter_0000300"
     assert default_model_name(tmp_path / "stapo-1.7b") == "stapo-1.7b"
+
+
+def test_the_default_length_is_the_papers(eval_data_dir):
+    from stapo_megatron.cli import parse_args
+    from stapo_megatron.eval.cli import load_eval_config
+
+    def max_new_tokens(*flags):
+        args = parse_args(["eval", "--model", "m", "--data-dir", str(eval_data_dir), *flags])
+        return load_eval_config(args).cfg.eval.max_new_tokens
+
+    # STAPO v1 evaluates with a maximum length of 20,480 tokens (it was 16,384 here).
+    assert max_new_tokens() == 20480
+    assert max_new_tokens("--max-new-tokens", "7") == 7
+
+
+def test_verifier_errors_come_before_any_generation(capsys, tmp_path, eval_data_dir, tiny_model):
+    out = tmp_path / "out"
+    base = ["--model", str(tiny_model), "--data-dir", str(eval_data_dir), "--out", str(out)]
+    missing = tmp_path / "CompassVerifier-3B"
+    assert error_line(capsys, [*base, "--verifier-model", str(missing)]) == (
+        f"stapo: error: --verifier-model: {missing} does not exist"
+    )
+    # CompassVerifier is a Qwen2.5: the local engine runs Qwen3 models only.
+    qwen2 = tmp_path / "qwen2"
+    qwen2.mkdir()
+    (qwen2 / "config.json").write_text(
+        json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "max_position_embeddings": 32768})
+    )
+    shutil.copy(tiny_model / "tokenizer.json", qwen2)
+    assert error_line(capsys, [*base, "--verifier-model", str(qwen2)]) == (
+        f"stapo: error: --verifier-model: the local engine runs Qwen3 models only ({qwen2 / 'config.json'}: not a "
+        "dense Qwen3 model (model_type='qwen2', architectures=['Qwen2ForCausalLM']); expected model_type 'qwen3' "
+        "and Qwen3ForCausalLM); serve this verifier with rollout.engine=sglang"
+    )
+    no_context = tmp_path / "no-context"
+    no_context.mkdir()
+    (no_context / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    assert error_line(capsys, [*base, "--verifier-model", str(no_context)]) == (
+        f"stapo: error: --verifier-model: {no_context / 'config.json'} has no usable max_position_embeddings (got None)"
+    )
+    attached = [*base, "--engine", "sglang", "--rollout", "sglang.urls=[http://127.0.0.1:9]"]
+    assert error_line(capsys, [*attached, "--verifier-model", str(tiny_model)]) == (
+        "stapo: error: --verifier-model: rollout.sglang.urls attaches to servers of the evaluated model; the "
+        "verifier needs servers launched on it (drop urls)"
+    )
+    assert error_line(capsys, ["--compare", str(tmp_path), "--verifier-model", str(tiny_model)]) == (
+        "stapo: error: --verifier-model: compare tabulates finished evaluations; it judges nothing"
+    )
+    assert not out.exists()

@@ -275,3 +275,86 @@ def test_the_sglang_engine_gets_the_model_directory(tiny_model, eval_data_dir, t
     assert (resumed / "results.json").read_text() == (whole / "results.json").read_text()
     assert sorted((resumed / "responses.jsonl").read_text().splitlines(keepends=True)) == sorted(lines)
     assert os.listdir(resumed) and not (resumed / ".responses.jsonl.tmp").exists()
+
+
+def read_verdicts(directory: Path) -> list[dict]:
+    return [json.loads(line) for line in (directory / "verdicts.jsonl").read_text().splitlines()]
+
+
+def test_a_tiny_random_verifier_answers_junk_that_is_counted_and_changes_nothing(cli_run, tiny_model, tmp_path):
+    """The local engine serves the verifier from its path; a random model's answers are never one
+    letter, so every verdict is unparsed and every grade stays the rules'."""
+    out, command, _ = cli_run
+    judged = tmp_path / "judged"
+    shutil.copytree(out, judged)
+    args = command[command.index("eval") :]
+    args[args.index("--out") + 1] = str(judged)
+    # Two benchmarks' first problems (each verdict costs a prefill of the whole prompt on the CPU).
+    args[args.index("--benchmarks") + 1] = "aime24,minerva"
+    args[args.index("--limit") + 1] = "1"
+    assert main([*args, "--verifier-model", str(tiny_model)]) == 0
+    # Added to a finished evaluation: nothing sampled again.
+    assert (judged / "responses.jsonl").read_bytes() == (out / "responses.jsonl").read_bytes()
+    chosen = {("aime24", "aime24:1"), ("minerva", "minerva:1")}
+    records = read_records(out)
+    wrong = [r for r in records.values() if r["reward"] != 1.0 and (r["benchmark"], r["uid"]) in chosen]
+    verdicts = read_verdicts(judged)
+    assert len(verdicts) == len(wrong) > 0
+    assert {v["status"] for v in verdicts} == {"unparsed"}
+    assert all(v["rectified_reward"] == v["rule_reward"] and v["output"] for v in verdicts)
+    after = json.loads((judged / "results.json").read_text())
+    assert after["verifier"]["name"] == "tiny-qwen3" and after["verifier"]["engine"] == "local"
+    assert list(after["benchmarks"]) == ["aime24", "minerva"]
+    for name, score in after["benchmarks"].items():
+        rectified = score.pop("verifier")
+        mine = [r for r in records.values() if r["benchmark"] == name and (name, r["uid"]) in chosen]
+        assert (score["problems"], score["samples"]) == (1, 2) and len(mine) == 2
+        assert score["avg@k"] == pytest.approx(sum(r["reward"] for r in mine) / 2)
+        assert rectified["avg@k"] == score["avg@k"] and rectified["pass@k"] == score["pass@k"]
+        assert rectified["flips"] == 0 and rectified["verdicts"]["unparsed"] == rectified["rule_wrong"]
+    rows = (judged / "table.md").read_text().splitlines()
+    assert rows[2].startswith("| tiny-qwen3 | T=1.0, top-p=1.0 | rules |")
+    assert rows[3].startswith("| tiny-qwen3 | T=1.0, top-p=1.0 | rules + tiny-qwen3 |")
+    assert all(" flips; " in cell and " unparsed; " in cell for cell in rows[3].split(" | ")[3:-1])
+
+
+def test_sglang_servers_are_launched_on_the_verifier(tiny_model, eval_data_dir, tmp_path):
+    record_dir = tmp_path / "requests"
+    record_dir.mkdir()
+    verifier = tmp_path / "CompassVerifier-3B"
+    shutil.copytree(tiny_model, verifier)
+    config = tmp_path / "rollout.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "sglang": {
+                    "server_command": [sys.executable, "-m", "stapo_megatron.rollout.sglang_launch", str(FAKE_SGLANG)],
+                    "startup_timeout_s": 60,
+                    "shutdown_grace_s": 3,
+                    "env": {"FAKE_SGLANG_RECORD_DIR": str(record_dir)},
+                }
+            }
+        )
+    )
+    out = tmp_path / "out"
+    args = ["eval", "--model", str(tiny_model), "--data-dir", str(eval_data_dir), "--benchmarks", "aime24"]
+    args += ["--limit", "2", "--engine", "sglang", "--rollout-config", str(config), "--out", str(out), *COMMON]
+    assert main([*args, "--verifier-model", str(verifier)]) == 0
+    logs = {str(f.relative_to(out)): f.read_text() for f in out.glob("sglang/**/*.log")}
+    assert len(logs) == 2
+    assert [f"serving {tiny_model} on" in text for name, text in sorted(logs.items())] == [True, False]
+    assert [f"serving {verifier} on" in text for name, text in sorted(logs.items())] == [False, True]
+    assert sorted(logs)[1].startswith("sglang/verifier/")
+    requests = [json.loads(line) for f in record_dir.glob("*.jsonl") for line in f.read_text().splitlines()]
+    sampling = [p for r in requests if r["path"] == "/generate" for p in r["body"]["sampling_params"]]
+    judging = [p for p in sampling if p.get("top_k") == 1]
+    verdicts = read_verdicts(out)
+    wrong = [r for r in read_records(out).values() if r["reward"] != 1.0]
+    assert len(judging) == len(verdicts) == len(wrong) == len(sampling) - 2 * 2 > 0
+    assert {(p["n"], p["max_new_tokens"]) for p in judging} == {(1, 8)}
+    results = json.loads((out / "results.json").read_text())
+    assert results["verifier"]["engine"] == "sglang" and results["verifier"]["name"] == "CompassVerifier-3B"
+    counts = results["benchmarks"]["aime24"]["verifier"]["verdicts"]
+    assert sum(counts.values()) == len(wrong) and counts == {
+        status: sum(v["status"] == status for v in verdicts) for status in counts
+    }

@@ -32,7 +32,7 @@ def test_config_is_the_papers_setup_on_its_nodes(size):
     assert (cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.clip_grad) == (1e-6, 10, 1.0)
     assert (cfg.batch.prompts_per_step, cfg.batch.group_size, cfg.batch.prompts_per_minibatch) == (256, 8, 64)
     assert cfg.batch.max_new_tokens == 15360 and cfg.algo.name == "stapo" and cfg.algo.kl_coef == 0
-    assert cfg.data.source.endswith("dapo_math_17k.parquet") and cfg.reward.kind == "math"
+    assert cfg.data.source.endswith("dapo_math_17k.parquet") and cfg.reward.kind == "dapo"
     sglang = cfg.rollout.sglang
     assert cfg.rollout.engine == "sglang" and sglang.colocated
     assert GPUS_PER_NODE % sglang.tp_size == 0  # colocated: one server per tp_size GPUs on every node

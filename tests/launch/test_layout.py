@@ -353,7 +353,7 @@ def test_plan_check_prints_the_summary_and_the_routes(capsys):
         "layout Qwen3 32.8B TP8 PP2 DP4 CP1 on 8 node(s) x 8 GPUs, colocated SGLang TP8, weight_sync tensor: ok"
     )
     assert any(line.startswith("weight sync tensor: 128 routes (cuda_ipc 128)") for line in out)
-    assert any(line.startswith("memory per GPU, GiB of 80: training 23.3, rollout 71.8, weight sync") for line in out)
+    assert any(line.startswith("memory per GPU, GiB of 80: training 23.2, rollout 71.8, weight sync") for line in out)
     assert main(["plan", "--config", config, "--check", "--verbose"]) == 0
     routes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("server ")]
     assert len(routes) == 128

@@ -4,7 +4,8 @@ to an uninterrupted run.
 
 The fast tests check the options, the paths and the generated batch-script code (run by bash with
 stand-ins for srun and scontrol, and a real USR1). The slow test runs the tiny CPU run on the real
-one-node SLURM of tests/slurm/cluster.py with a 2-minute time limit and a 60-second lead:
+one-node SLURM of tests/slurm/cluster.py with a 60-second lead and allocations of the
+shortest whole-minute limit (2 minutes on a quiet machine) that leaves room for the measured start-up:
 
     python -m pytest -m slow tests/launch/test_slurm_requeue.py -rs
 """
@@ -227,10 +228,11 @@ SETTINGS = [
     "batch.prompts_per_step=16",
     "batch.prompts_per_minibatch=16",
 ]
-# slurmctld checks time limits every 30 s, so USR1 comes 60 to 90 s before the limit: after 30 to
-# 60 s of an allocation. A longer lead gives shorter allocations (a shorter test, more of them); a
-# signal before the ranks have started still stops the run, after one step.
-TIME_LIMIT_S, LEAD_S, SLURM_CHECK_PERIOD_S = 120, 60, 30
+# slurmctld checks time limits every 30 s, so USR1 comes 60 to 90 s before the limit: after
+# limit - 90 to limit - 60 s of an allocation. A longer lead gives shorter allocations (a shorter
+# test, more of them); a signal before the ranks have started still stops the run, after one step.
+# Slurm's limits are whole minutes: the shortest that leaves the measured start-up room is taken.
+LEAD_S, SLURM_CHECK_PERIOD_S, MOST_MINUTES = 60, 30, 5
 
 
 def _start(command: list[str], env: dict) -> subprocess.Popen:
@@ -247,14 +249,17 @@ def _finish(process: subprocess.Popen, timeout: float) -> None:
     assert process.returncode == 0, err[-3000:]
 
 
-def _steps_for_three_allocations(tmp_path: Path, env: dict) -> int:
-    """run.steps that two allocations cannot finish on this machine now.
+def _allocation_for_three(tmp_path: Path, env: dict) -> tuple[int, int]:
+    """(time limit in minutes, run.steps): allocations of that limit, of which two cannot finish the
+    run on this machine now.
 
-    A short run gives the seconds per step and of start-up. USR1 comes at the latest LEAD_S before
-    the limit, so one allocation trains at most TIME_LIMIT_S - LEAD_S - start-up seconds; run.steps
-    is 2.1 times what that allows (the 0.1 for a step time that drifts). The signal's 30 s window
-    makes the chain 3 to 5 allocations long; a start-up longer than the earliest signal would make
-    each allocation train about one step, so it is refused.
+    A short run gives the seconds per step and of start-up, both slower on a loaded machine. The limit
+    is the shortest whole number of minutes whose earliest USR1 (LEAD_S + SLURM_CHECK_PERIOD_S before
+    it) comes at least 5 s after the start-up: a start-up longer than the earliest signal would make
+    each allocation train about one step. USR1 comes at the latest LEAD_S before the limit, so one
+    allocation trains at most limit - LEAD_S - start-up seconds; run.steps is 2.1 times what that
+    allows (the 0.1 for a step time that drifts). The signal's 30 s window makes the chain 3 to 5
+    allocations long.
     """
     from tests.trainer.runs import metrics, train_command
 
@@ -263,13 +268,15 @@ def _steps_for_three_allocations(tmp_path: Path, env: dict) -> int:
     wall = time.monotonic() - started
     per_step = sorted(row["time/step"] for row in metrics(tmp_path / "calibration"))[6]
     start_up = wall - 12 * per_step
-    assert TIME_LIMIT_S - LEAD_S - SLURM_CHECK_PERIOD_S > start_up + 5, f"start-up takes {start_up:.0f} s here"
-    most_per_allocation = (TIME_LIMIT_S - LEAD_S - start_up) / per_step
-    return max(30, math.ceil(2.1 * most_per_allocation))
+    minutes = math.ceil((start_up + 5 + LEAD_S + SLURM_CHECK_PERIOD_S) / 60 + 1e-9)
+    minutes = max(2, minutes)
+    assert minutes <= MOST_MINUTES, f"start-up takes {start_up:.0f} s here: allocations would be {minutes} minutes"
+    most_per_allocation = (60 * minutes - LEAD_S - start_up) / per_step
+    return minutes, max(30, math.ceil(2.1 * most_per_allocation))
 
 
 @pytest.mark.slow
-def test_two_minute_allocations_finish_a_longer_run_bit_identical(slurm_cluster, tmp_path):
+def test_short_allocations_finish_a_longer_run_bit_identical(slurm_cluster, tmp_path):
     from tests.launch.test_slurm_submit import experiment_id, stapo
     from tests.slurm.cluster import PARTITION
     from tests.trainer.runs import checkpoint_tensors, metrics, train_command
@@ -282,7 +289,7 @@ def test_two_minute_allocations_finish_a_longer_run_bit_identical(slurm_cluster,
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": "1",
     }
-    steps = _steps_for_three_allocations(tmp_path, env)
+    minutes, steps = _allocation_for_three(tmp_path, env)
     overrides = [f"run.steps={steps}", *SETTINGS]
     # the uninterrupted reference trains after the chain: beside it, it would slow the chain below the
     # measured speed and add allocations
@@ -295,7 +302,7 @@ def test_two_minute_allocations_finish_a_longer_run_bit_identical(slurm_cluster,
         "--partition",
         PARTITION,
         "--time",
-        "2",
+        str(minutes),
         "--signal-lead",
         str(LEAD_S),
         "--max-requeues",
@@ -311,7 +318,7 @@ def test_two_minute_allocations_finish_a_longer_run_bit_identical(slurm_cluster,
         *overrides,
         env=env,
         cwd=work,
-        timeout=1200,
+        timeout=600 + 8 * 60 * minutes,  # at most 8 requeues, then the last allocation
     )
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     assert "finished: SUCCEEDED" in done.stdout

@@ -62,3 +62,61 @@ def targets_on_every_shard(tokens: int, vocab: int, padded: int, tp: int, seed: 
     rest = torch.randint(0, vocab, (max(0, tokens - len(edges)),), generator=gen)
     targets = torch.cat([torch.tensor(edges[:tokens]), rest])
     return targets
+
+
+def rule_keeps(cfg, micro):
+    """Keep weights of each micro-batch statistics in ``micro`` under ``cfg``, as the trainer takes
+    them: one threshold over the whole list when the rule needs one, then each selection."""
+    from stapo_megatron.loss import minibatch_threshold, needs_statistics_pass, select_tokens
+
+    threshold = minibatch_threshold(cfg, micro) if needs_statistics_pass(cfg) else None
+    return [select_tokens(cfg, s, threshold).keep for s in micro]
+
+
+def reference_random_score(sample: int, position: int, run_seed: int, step: int) -> int:
+    """The s2t_random score of one token in Python integers, from its definition in
+    loss.token_rules: six Feistel rounds on (sequence index, position) as two 31-bit halves, round
+    keys from sha256("s2t_random:<seed>:<step>"), round function x -> ((x ^ k) * m, fold 31) for
+    the two multipliers; the score is left * 2^31 + right."""
+    import hashlib
+
+    half = 2**31
+    digest = hashlib.sha256(f"s2t_random:{run_seed}:{step}".encode()).digest()
+    keys = [int.from_bytes(digest[4 * r : 4 * r + 4], "little") % half for r in range(6)]
+    left, right = sample, position
+    for key in keys:
+        y = right ^ key
+        for multiplier in (0x5BD1E995, 0x1B873593):
+            y *= multiplier
+            y = (y ^ (y // half)) % half
+        left, right = right, left ^ y
+    return left * half + right
+
+
+def reference_ablation_keeps(rule: str, micro, q: float, tau_p: float) -> list[torch.Tensor]:
+    """fp64 keep weights of the STAPO paper's masking ablations over every micro-batch of
+    ``micro`` (TokenStats) as one population, written from the paper's description: among the
+    candidates C = {response token, A > 0, p < tau_p}, silence the floor(q |C|) of highest entropy
+    (``s2t_high_entropy``), of lowest random score (``s2t_random``), of lowest entropy (``s2t``), or
+    all of C (``lowprob_all``); padding 0, everything else 1."""
+    import math
+    from fractions import Fraction
+
+    lp = torch.cat([s.logprob.double().reshape(-1) for s in micro])
+    ent = torch.cat([s.entropy.double().reshape(-1) for s in micro])
+    adv = torch.cat([s.advantages.double().reshape(-1) for s in micro])
+    real = torch.cat([(s.response_mask != 0).reshape(-1) for s in micro])
+    members = torch.nonzero(real & (adv > 0) & (lp < math.log(tau_p))).reshape(-1).tolist()
+    budget = len(members) if rule == "lowprob_all" else math.floor(Fraction(repr(q)) * len(members))
+    if rule == "s2t_random":
+        ids = torch.cat([s.sample_ids.reshape(-1) for s in micro]).tolist()
+        pos = torch.cat([s.positions.reshape(-1) for s in micro]).tolist()
+        seed, step = micro[0].run_seed, micro[0].step
+        members.sort(key=lambda t: reference_random_score(ids[t], pos[t], seed, step))
+    elif rule == "s2t_high_entropy":
+        members.sort(key=lambda t: -float(ent[t]))
+    elif rule == "s2t":
+        members.sort(key=lambda t: float(ent[t]))
+    keep = real.double()
+    keep[members[:budget]] = 0.0
+    return list(keep.split([s.logprob.numel() for s in micro]))

@@ -1,6 +1,7 @@
 """Rank functions for test_related_rules.py: one spawn of 2 ranks (TP=2 through Megatron's parallel
 state; the same 2 ranks as a data-parallel group for the mini-batch quantile) runs every check of
-the related-paper rules (STARE) and records its outcome.
+the related-paper rules (STARE) and records its outcome; :func:`run_checks` also runs the checks
+of another module (test_ablation_rules.py's ``_ablation_workers``) in the same setting.
 
 Every check runs the same collectives on every rank and asserts only afterwards.
 """
@@ -163,7 +164,10 @@ class Ctx:
         self.world = dist.new_group([0, 1])
 
 
-def run_checks(out_dir: str) -> None:
+def run_checks(out_dir: str, checks_module: str = __name__) -> None:
+    """Every check of ``checks_module`` (this module's; test_ablation_rules passes its own), each
+    rank's outcomes to ``out_dir``/rank<r>.json."""
+    import importlib
     import warnings
 
     warnings.filterwarnings("ignore")  # Megatron: TE and apex are absent
@@ -173,7 +177,7 @@ def run_checks(out_dir: str) -> None:
     init_distributed(ParallelConfig(tensor_parallel=2, data_parallel=1, timeout_minutes=3))
     ctx = Ctx()
     results = {}
-    for name, check in CHECKS.items():
+    for name, check in importlib.import_module(checks_module).CHECKS.items():
         try:
             check(ctx)
             results[name] = "ok"

@@ -21,6 +21,7 @@ from tests.loss._reference import (
     mask_logits,
     padded_vocab,
     reference_logprob_entropy,
+    rule_keeps,
     targets_on_every_shard,
 )
 
@@ -250,7 +251,6 @@ def dp_tp_token_mean_gradient_equals_single_process(ctx):
         minibatch_threshold,
         policy_loss,
         reduce_metrics,
-        s2t_mask,
         select_tokens,
         vocab_parallel_logprob_entropy,
     )
@@ -264,7 +264,7 @@ def dp_tp_token_mean_gradient_equals_single_process(ctx):
     cat = {k: torch.cat([b[k] for b in batches]) for k in ("h", "targets", "advantages", "response_mask", "noise")}
     lp, ent = vocab_parallel_logprob_entropy(cat["h"] @ w_full, cat["targets"], vocab_size=vocab)
     old_all = lp.detach() + cat["noise"]
-    keep = s2t_mask(lp.detach(), ent.detach(), cat["advantages"], cat["response_mask"])
+    (keep,) = rule_keeps(cfg, [TokenStats(lp.detach(), ent.detach(), cat["advantages"], cat["response_mask"])])
     ref_sum, ref_n, ref_metrics = policy_loss(
         lp, old_all, cat["advantages"], keep, response_mask=cat["response_mask"], entropy=ent.detach()
     )
@@ -296,7 +296,7 @@ def dp_tp_token_mean_gradient_equals_single_process(ctx):
             sel.keep,
             response_mask=st.response_mask,
             candidates=sel.candidates,
-            tau_h=sel.threshold,
+            tau_h=sel.tau_h,
             entropy=ent,
         )
         loss_sum.backward()

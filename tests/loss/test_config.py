@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,23 @@ from stapo_megatron.loss import (
     TokenStats,
     minibatch_threshold,
     needs_statistics_pass,
-    s2t_mask,
     select_tokens,
 )
+from tests.loss._reference import rule_keeps
 
-PRESETS = ("stapo", "grpo", "dapo", "entropy20", "justrl", "grpo_kl", "stare", "clip_cov", "kl_cov", "gspo")
+PRESETS = (
+    "stapo",
+    "grpo",
+    "dapo",
+    "dapo_dynamic_sampling",
+    "entropy20",
+    "entropy20_dynamic_sampling",
+    "justrl",
+    "stare",
+    "clip_cov",
+    "kl_cov",
+    "gspo",
+)
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "algo"
 FIELDS = {f.name for f in dataclasses.fields(AlgoConfig)}
 
@@ -40,15 +53,23 @@ def test_every_preset_sets_every_algo_field_and_nothing_else():
 def test_presets_differ_only_where_documented():
     p = {name: build(AlgoConfig, name) for name in PRESETS}
     assert p["stapo"] == AlgoConfig()  # the defaults are STAPO's
-    assert _differences(p["stapo"], p["grpo"]) == {"name", "token_rule"}
-    assert p["grpo"].token_rule == "all"
-    # the paper's GRPO baseline (R in {0, 1}, veRL's dual-clip 3) vs JustRL's script (DAPO's +-1
-    # verifier, clip_ratio_c 10): the same objective otherwise
-    assert _differences(p["grpo"], p["justrl"]) == {"name", "reward_scale", "clip_ratio_c"}
-    assert (p["grpo"].reward_scale, p["grpo"].clip_ratio_c) == ("binary", 3.0)
+    # DeepSeekMath's GRPO: symmetric clip 0.2, KL 0.04 (k3) in the loss, sequence mean, no dual-clip
+    assert _differences(p["stapo"], p["grpo"]) == {
+        "name",
+        "token_rule",
+        "eps_high",
+        "clip_ratio_c",
+        "kl_coef",
+        "aggregation",
+    }
+    g = p["grpo"]
+    assert (g.token_rule, g.eps_low, g.eps_high, g.kl_coef, g.kl_estimator) == ("all", 0.2, 0.2, 0.04, "k3")
+    assert g.aggregation == "seq_mean_token_mean" and g.clip_ratio_c > math.exp(g.log_ratio_clamp)
+    # JustRL's script: STAPO's clip-higher objective without S2T, dual-clip 10 and DAPO's +-1 verifier
+    assert _differences(p["stapo"], p["justrl"]) == {"name", "token_rule", "reward_scale", "clip_ratio_c"}
     assert (p["justrl"].reward_scale, p["justrl"].clip_ratio_c) == ("signed", 10.0)
-    # DAPO = JustRL's base + dynamic sampling + overlong shaping, on the +-1 scale
-    assert _differences(p["justrl"], p["dapo"]) == {"name", "dynamic_sampling", "overlong_shaping"}
+    # DAPO as the STAPO paper runs baselines (no dynamic sampling) = JustRL's base + overlong shaping
+    assert _differences(p["justrl"], p["dapo"]) == {"name", "overlong_shaping"}
     # 20-Entropy on the DAPO base, selecting over the whole mini-batch
     assert _differences(p["dapo"], p["entropy20"]) == {"name", "token_rule"}
     assert (p["entropy20"].token_rule, p["entropy20"].scope, p["entropy20"].top_fraction) == (
@@ -56,6 +77,9 @@ def test_presets_differ_only_where_documented():
         "mini_batch",
         0.2,
     )
+    # their own recipes add dynamic sampling, nothing else
+    for base in ("dapo", "entropy20"):
+        assert _differences(p[base], p[f"{base}_dynamic_sampling"]) == {"name", "dynamic_sampling"}
     assert (p["dapo"].overlong_buffer, p["dapo"].overlong_penalty_factor, p["dapo"].reward_scale) == (
         4096,
         1.0,
@@ -64,14 +88,10 @@ def test_presets_differ_only_where_documented():
     j = p["justrl"]
     assert (1 - j.eps_low, 1 + j.eps_high) == (0.8, 1.28)
     assert j.kl_coef == j.entropy_coef == 0 and not j.dynamic_sampling and not j.overlong_shaping
-    # DeepSeekMath's KL penalty (beta 0.04, k3, in the loss) on the GRPO baseline, nothing else
-    assert _differences(p["grpo"], p["grpo_kl"]) == {"name", "kl_coef"}
-    assert (p["grpo_kl"].kl_coef, p["grpo_kl"].kl_estimator) == (0.04, "k3")
     for cfg in p.values():
-        if cfg.objective != "ppo_clip":  # clip_cov, kl_cov, gspo: their papers' clips (tests/loss/test_objectives.py)
+        if cfg.objective != "ppo_clip" or cfg.name == "grpo":  # their papers' clips and aggregation
             continue
-        assert (cfg.eps_low, cfg.eps_high, cfg.aggregation) == (0.2, 0.28, "token_mean")
-        assert cfg.kl_coef == (0.04 if cfg.name == "grpo_kl" else 0.0)
+        assert (cfg.eps_low, cfg.eps_high, cfg.aggregation, cfg.kl_coef) == (0.2, 0.28, "token_mean", 0.0)
         assert (cfg.log_ratio_clamp, cfg.rollout_correction) == (20.0, "none")  # the papers use no correction
 
 
@@ -127,13 +147,21 @@ def test_each_preset_behaves_as_documented():
 
     stapo = build(AlgoConfig, "stapo")
     keeps = _keep(stapo, micro)
-    whole = s2t_mask(
-        *(torch.cat([getattr(s, f) for s in micro]) for f in ("logprob", "entropy", "advantages", "response_mask"))
-    )
+    whole = rule_keeps(
+        stapo,
+        [
+            TokenStats(
+                *(
+                    torch.cat([getattr(s, f) for s in micro])
+                    for f in ("logprob", "entropy", "advantages", "response_mask")
+                )
+            )
+        ],
+    )[0]
     assert torch.equal(torch.cat(keeps), whole)  # one quantile over the whole mini-batch
     candidates = sum(int(select_tokens(stapo, s, minibatch_threshold(stapo, micro)).candidates.sum()) for s in micro)
     silenced = sum(int((s.response_mask & (k == 0)).sum()) for s, k in zip(micro, keeps))
-    assert candidates > 20 and silenced == math.floor(0.8 * candidates)
+    assert candidates > 20 and silenced == math.floor(Fraction(repr(stapo.q)) * candidates)
 
     # entropy20: exactly the top 20% of the whole mini-batch's response tokens, not of each micro-batch
     entropy20 = build(AlgoConfig, "entropy20")

@@ -184,5 +184,9 @@ def test_every_metric_of_the_loss_and_the_update_is_declared():
             assert M.spec_of(spec.weight).reduction is Reduction.SUM, spec
     assert M.spec_of("s2t/masked_fraction").weight == "policy/response_tokens"
     assert M.spec_of("policy/entropy").weight == "policy/statistics_tokens"
-    assert "skipped zero-advantage" in M.spec_of("policy/entropy").doc
+    # the entropy covers every response token, also those the update leaves out; the candidates' mismatch does not
+    assert "every response token of the step, zero-advantage sequences included" in M.spec_of("policy/entropy").doc
+    assert (
+        M.spec_of("policy/entropy_p90").weight is None and "every response token" in M.spec_of("policy/entropy_p90").doc
+    )
     assert "skipped zero-advantage" in M.spec_of("mismatch/candidates_abs_mean").doc

@@ -25,6 +25,7 @@ from stapo_megatron.loss import (
 )
 from stapo_megatron.runtime.launch import spawn_ranks
 from tests.loss import _related_workers
+from tests.loss._reference import rule_keeps
 
 
 def _micro_batches(seed=0, micro=3, rows=6, cols=20, step_entropy=0.1):
@@ -60,11 +61,6 @@ def reference_weights(micro, p, w, m, variant, gate_on):
     return weights.split([f[0].numel() for f in flat])
 
 
-def _selected(cfg, micro):
-    cuts = minibatch_threshold(cfg, micro) if needs_statistics_pass(cfg) else None
-    return [select_tokens(cfg, s, cuts).keep for s in micro]
-
-
 @pytest.mark.parametrize("variant", ["O1", "C2"])
 @pytest.mark.parametrize("p", [0.1, 0.25, 1.0])
 def test_stare_weights_match_fp64_reference_over_the_minibatch(variant, p):
@@ -72,7 +68,7 @@ def test_stare_weights_match_fp64_reference_over_the_minibatch(variant, p):
         token_rule="stare", stare_variant=variant, stare_top_fraction=p, stare_weight_w=1.3, stare_weight_m=0.6
     )
     micro = _micro_batches()
-    keeps = _selected(cfg, micro)
+    keeps = rule_keeps(cfg, micro)
     expected = reference_weights(micro, p, 1.3, 0.6, variant, gate_on=True)
     for keep, want in zip(keeps, expected, strict=True):
         assert keep.dtype == torch.float32
@@ -92,8 +88,8 @@ def test_stare_gate_is_strict_and_turns_the_rule_into_grpo():
     cfg = AlgoConfig(token_rule="stare", stare_target_entropy=0.5)
     below = _micro_batches(step_entropy=0.499)
     at = _micro_batches(step_entropy=0.5)
-    assert any(bool((k > 1).any()) for k in _selected(cfg, below))
-    for keep, s in zip(_selected(cfg, at), at):  # the reference reweights only when H < H_tgt
+    assert any(bool((k > 1).any()) for k in rule_keeps(cfg, below))
+    for keep, s in zip(rule_keeps(cfg, at), at):  # the reference reweights only when H < H_tgt
         assert torch.equal(keep, s.response_mask.float())
 
 
@@ -106,7 +102,7 @@ def test_stare_micro_batch_scope_ranks_each_micro_batch_alone():
         (want,) = reference_weights([s], 0.1, 1.1, 0.9, "C2", gate_on=True)
         assert torch.equal(keep.reshape(-1).double(), want.float().double())
     # the mini-batch scope differs from it on this data: the cut is global
-    whole = _selected(AlgoConfig(token_rule="stare", stare_variant="C2"), micro)
+    whole = rule_keeps(AlgoConfig(token_rule="stare", stare_variant="C2"), micro)
     assert any(not torch.equal(a, select_tokens(cfg, s, None).keep) for a, s in zip(whole, micro))
 
 
@@ -125,7 +121,7 @@ def test_stare_loss_and_gradient_match_fp64_reference():
     the number of response tokens, against fp64 autograd of the same formula."""
     cfg = AlgoConfig(token_rule="stare", stare_variant="C2", clip_ratio_c=3.0)
     micro = _micro_batches(seed=7)
-    keeps = _selected(cfg, micro)
+    keeps = rule_keeps(cfg, micro)
     gen = torch.Generator().manual_seed(1)
     total, count, grads, ref_total, ref_grads = 0.0, 0, [], 0.0, []
     ref_count = sum(int(s.response_mask.sum()) for s in micro)
@@ -171,7 +167,7 @@ def test_stare_never_skips_zero_advantage_sequences():
 
 
 def test_stare_preset_is_the_reference_script():
-    stare, dapo = build(AlgoConfig, "stare"), build(AlgoConfig, "dapo")
+    stare, dapo = build(AlgoConfig, "stare"), build(AlgoConfig, "dapo_dynamic_sampling")
     assert (stare.token_rule, stare.stare_variant, stare.stare_top_fraction) == ("stare", "O1", 0.1)
     assert (stare.stare_weight_w, stare.stare_weight_m, stare.stare_target_entropy) == (1.1, 0.9, 0.3)
     # the script's base: DAPO's clip_ratio_c 10 and filter_groups, on a 0/1 reward, no overlong buffer

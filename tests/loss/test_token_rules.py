@@ -13,19 +13,31 @@ from stapo_megatron.loss import (
     TokenRule,
     TokenStats,
     get_token_rule,
-    high_entropy_mask,
     minibatch_threshold,
     needs_statistics_pass,
     quantile_threshold,
     register_token_rule,
     s2t_candidates,
-    s2t_mask,
     select_tokens,
 )
 from stapo_megatron.loss.token_rules import TOKEN_RULES
+from tests.loss._reference import rule_keeps
 
 RARE = math.log(0.001)  # p = 0.001 < tau_p = 0.002
 COMMON = math.log(0.5)
+TAU_P = 0.002
+
+
+def s2t_mask(logprob, entropy, advantages, response_mask, **fields):
+    """S2T's keep mask of one batch through the registry (one threshold over the whole batch)."""
+    cfg = AlgoConfig(**{"tau_p": TAU_P, **fields})
+    return rule_keeps(cfg, [TokenStats(logprob, entropy, advantages, response_mask)])[0]
+
+
+def high_entropy_mask(entropy, response_mask, top_fraction):
+    cfg = AlgoConfig(token_rule="high_entropy", top_fraction=top_fraction)
+    zeros = torch.zeros_like(entropy)
+    return rule_keeps(cfg, [TokenStats(zeros, entropy, zeros, response_mask)])[0]
 
 
 def _row(logprobs, entropies, mask=None):
@@ -48,7 +60,7 @@ def test_exactly_the_bottom_q_of_candidates_are_silenced():
 
     # 7 candidates: floor(0.8 * 7) = 5 silenced; q = 0.29 on 100 candidates: exactly 29 (no float slip)
     lp, ent, mask = _row([RARE] * 7, [0.7, 0.1, 0.6, 0.2, 0.5, 0.3, 0.4])
-    assert int((s2t_mask(lp, ent, torch.tensor([2.0]), mask) == 0).sum()) == 5
+    assert int((s2t_mask(lp, ent, torch.tensor([2.0]), mask, q=0.8) == 0).sum()) == 5
     gen = torch.Generator().manual_seed(0)
     ent = torch.randperm(100, generator=gen).float()[None] / 100
     keep = s2t_mask(torch.full((1, 100), RARE), ent, torch.tensor([1.0]), torch.ones(1, 100, dtype=torch.bool), q=0.29)
@@ -63,10 +75,10 @@ def test_only_positive_advantage_rare_tokens_can_be_silenced():
     mask = torch.ones(3, 2, dtype=torch.bool)
     adv = torch.tensor([-1.0, 1.0, 0.0])
     assert torch.equal(s2t_mask(lp, ent, adv, mask), torch.ones(3, 2))
-    assert not s2t_candidates(lp, adv, mask).any()
+    assert not s2t_candidates(lp, adv, mask, TAU_P).any()
     # p exactly at tau_p is not rare (strict inequality)
     lp_edge = torch.full((1, 3), math.log(0.002), dtype=torch.float64)
-    assert not s2t_candidates(lp_edge, torch.tensor([1.0]), torch.ones(1, 3)).any()
+    assert not s2t_candidates(lp_edge, torch.tensor([1.0]), torch.ones(1, 3), TAU_P).any()
 
 
 def test_no_candidates_and_padding():
@@ -81,10 +93,12 @@ def test_no_candidates_and_padding():
     mask = torch.zeros(3, 5, dtype=torch.bool)
     mask[1] = True
     adv = torch.tensor([1.0, 1.0, 1.0])
-    keep = s2t_mask(lp, ent, adv, mask)
+    keep = s2t_mask(lp, ent, adv, mask, q=0.8)
     assert keep[0].sum() == 0 and keep[2].sum() == 0
     assert keep[1].tolist() == [0, 0, 0, 0, 1]  # floor(0.8 * 5) = 4 silenced within the one real row
     assert torch.equal(s2t_mask(lp, ent, adv, torch.zeros(3, 5)), torch.zeros(3, 5))
+    # the paper's q = 0.75 is the default: floor(0.75 * 5) = 3
+    assert s2t_mask(lp, ent, adv, mask)[1].tolist() == [0, 0, 0, 1, 1]
 
 
 def test_ties_are_kept_and_order_does_not_matter():
@@ -209,7 +223,7 @@ def test_scopes_threshold_then_keep():
     for s in micro:
         sel = select_tokens(local, s, threshold)  # the given threshold is ignored in this scope
         assert torch.equal(sel.keep, s2t_mask(s.logprob, s.entropy, s.advantages, s.response_mask))
-        assert torch.equal(sel.candidates, s2t_candidates(s.logprob, s.advantages, s.response_mask))
+        assert torch.equal(sel.candidates, s2t_candidates(s.logprob, s.advantages, s.response_mask, local.tau_p))
 
     fixed = AlgoConfig(tau_h=0.5)
     assert not needs_statistics_pass(fixed)

@@ -128,17 +128,22 @@ def _rank_data(batch, rank: int, world: int):
 def _expected_rollout_statistics(data) -> dict:
     tokens = entropy = mismatch = 0.0
     largest = 0.0
+    entropies = []
     for microbatches, stats in data:
         for mb, s in zip(microbatches, stats):
             mask = mb["response_mask"] > 0
             difference = (s.logprob - mb["rollout_logprobs"])[mask].double().abs()
             tokens += float(mask.sum())
             entropy += float(s.entropy[mask].double().sum())
+            entropies.append(s.entropy[mask].double())
             mismatch += float(difference.sum())
             largest = max([largest, *difference.tolist()])
+    ordered = torch.sort(torch.cat(entropies)).values
     return {
         "policy/statistics_tokens": tokens,
         "policy/entropy": entropy / tokens,
+        # the (floor(q n) + 1)-th smallest over both ranks' tokens
+        **{f"policy/entropy_p{n}": float(ordered[n * len(ordered) // 100]) for n in (50, 80, 90, 99)},
         "mismatch/logprob_abs_mean": mismatch / tokens,
         "mismatch/logprob_abs_max": largest,
     }

@@ -54,9 +54,11 @@ def config(**algo) -> SimpleNamespace:
             max_tokens_per_microbatch=200,
             max_tokens_per_forward=300,
             skip_zero_advantage=True,
+            entropy_over_skipped=True,
             temperature=TEMPERATURE,
         ),
         compute=SimpleNamespace(logits_chunk_size=64),
+        run=SimpleNamespace(seed=0),
         parallel=SimpleNamespace(sequence_parallel=False),
         algo=AlgoConfig(**algo),
     )

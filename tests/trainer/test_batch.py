@@ -190,6 +190,7 @@ def _cfg(minibatches: int, update: int, forward: int, **algo) -> SimpleNamespace
         max_tokens_per_microbatch=update,
         max_tokens_per_forward=forward,
         skip_zero_advantage=True,
+        entropy_over_skipped=True,
     )
     return SimpleNamespace(batch=batch, algo=AlgoConfig(**algo))
 

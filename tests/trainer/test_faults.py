@@ -71,7 +71,7 @@ def test_a_step_whose_groups_are_all_filtered_out_makes_no_update(tmp_path):
             "data.synthetic_distractors=241",
             "model.vocab_size=256",
             "reward.kind=exact",
-            "algo=dapo",
+            "algo=dapo_dynamic_sampling",
             "algo.overlong_buffer=1",
             "batch.max_sampling_rounds=2",
         )

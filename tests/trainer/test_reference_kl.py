@@ -2,7 +2,7 @@
 gradient against an independent fp64 autograd, the reference model on the real update path
 (equal to the policy at step 0, fixed while the policy moves, offloaded with the optimizer, the
 same log-probs at TP=2 as at TP=1 and as Hugging Face's model), and a tiny end-to-end run with
-``algo=grpo_kl`` that resumes with the reference back at the initial weights."""
+``algo=grpo`` (DeepSeekMath's GRPO, KL 0.04) that resumes with the reference back at the initial weights."""
 
 from __future__ import annotations
 
@@ -100,8 +100,8 @@ def test_kl_estimator_is_checked_and_kl_coef_is_accepted_by_the_trainer():
         build(AlgoConfig, {"preset": "grpo", "kl_estimator": "low_var_kl"}, "algo")
     from stapo_megatron.trainer.launcher import default_config_path
 
-    cfg = load_config(TrainConfig, str(default_config_path()), ["algo=grpo_kl"])
-    assert (cfg.algo.name, cfg.algo.kl_coef, cfg.algo.kl_estimator) == ("grpo_kl", 0.04, "k3")
+    cfg = load_config(TrainConfig, str(default_config_path()), ["algo=grpo"])
+    assert (cfg.algo.name, cfg.algo.kl_coef, cfg.algo.kl_estimator) == ("grpo", 0.04, "k3")
     check_train_config(cfg, files=False)  # refused before the trainer kept a reference model
 
 
@@ -156,10 +156,10 @@ def test_reference_model_on_the_update_path_at_tp1_and_tp2(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_run_with_grpo_kl_logs_ref_kl_and_resumes_with_the_initial_reference(tmp_path):
+def test_tiny_run_with_grpo_logs_ref_kl_and_resumes_with_the_initial_reference(tmp_path):
     from tests.trainer.runs import metrics, run, train_command
 
-    common = ["algo=grpo_kl", "algo.kl_coef=0.5"]
+    common = ["algo=grpo", "algo.kl_coef=0.5"]
     straight = tmp_path / "straight"
     run(train_command(straight, *common, "run.steps=3"))
     rows = metrics(straight)
@@ -206,5 +206,5 @@ def test_plan_counts_the_reference_weights_when_kl_coef_is_positive():
         ]
         assert offloaded[0].rollout_phase == offloaded[1].rollout_phase  # it leaves with the optimizer state
     path = str(default_config_path())
-    assert _from_config(load_config(TrainConfig, path, ["algo=grpo_kl"]))["reference_model"] is True
+    assert _from_config(load_config(TrainConfig, path, ["algo=grpo"]))["reference_model"] is True
     assert _from_config(load_config(TrainConfig, path, []))["reference_model"] is False

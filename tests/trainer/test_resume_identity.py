@@ -322,9 +322,11 @@ def test_a_layout_change_is_resharded_where_the_optimizer_state_allows(tmp_path)
 
 def test_another_algorithm_or_data_setting_takes_effect_with_a_line_per_change(tmp_path):
     saved = _common(tmp_path)[RECORD_KEY]
-    plan = _plan(tmp_path, saved, "algo=grpo")
+    plan = _plan(tmp_path, saved, "algo=justrl")
     assert plan.changes == [
-        'algo.name changed on resume: "stapo" -> "grpo" (takes effect)',
+        "algo.clip_ratio_c changed on resume: 3.0 -> 10.0 (takes effect)",
+        'algo.name changed on resume: "stapo" -> "justrl" (takes effect)',
+        'algo.reward_scale changed on resume: "binary" -> "signed" (takes effect)',
         "algo.tau_p changed on resume: 0.006 -> 0.002 (takes effect)",
         'algo.token_rule changed on resume: "s2t" -> "all" (takes effect)',
     ]

@@ -18,7 +18,7 @@ from stapo_megatron.trainer.controller import RolloutCollector, step_seed
 from stapo_megatron.trainer.launcher import load_train_config
 
 GROUP = 2
-DAPO = ("algo=dapo", "algo.overlong_buffer=1")  # no length penalty for the 1-3 token responses of 4
+DAPO = ("algo=dapo_dynamic_sampling", "algo.overlong_buffer=1")  # no length penalty for the 1-3 token responses of 4
 
 
 class _Engine:

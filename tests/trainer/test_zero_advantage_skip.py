@@ -1,4 +1,5 @@
-"""Leaving zero-advantage sequences out of every pass does not change the update.
+"""Leaving zero-advantage sequences out of every pass does not change the update, nor the
+step's entropy metrics.
 
 Two data-parallel ranks (gloo) run ``PolicyUpdater.update_step`` twice from the same weights on
 the same rollout batch, with ``batch.skip_zero_advantage`` on and off, and compare the reduced
@@ -7,6 +8,11 @@ step and the loss metrics. The gradients agree to float rounding only, not bit f
 sequences out changes how the others are packed, so the per-token terms are summed in a
 different order (micro-batches, then data-parallel ranks); each term and the denominator
 (the left-out kept tokens are added to it) are the same.
+
+The entropy metrics cover every response token of the step either way (the left-out sequences
+get a forward-only pass for them): ``policy/entropy`` and its quantiles equal an fp64 reference
+over every response token of the batch, from the model's own logits one sequence at a time; the
+quadrant metrics of the positive-advantage tokens are those of the full update.
 """
 
 from __future__ import annotations
@@ -78,9 +84,11 @@ def _cfg(skip: bool, **algo) -> SimpleNamespace:
             max_tokens_per_microbatch=160,
             max_tokens_per_forward=400,
             skip_zero_advantage=skip,
+            entropy_over_skipped=True,
             temperature=1.0,
         ),
         compute=SimpleNamespace(logits_chunk_size=64),
+        run=SimpleNamespace(seed=0),
         parallel=SimpleNamespace(sequence_parallel=False),
         algo=AlgoConfig(**algo),
     )
@@ -113,6 +121,41 @@ def _updater(ctx, weights, cfg):
     return ddp, PolicyUpdater(ddp, optimizer, cfg, ARCH, ctx)
 
 
+QUANTILES = {
+    "policy/entropy_p50": 0.5,
+    "policy/entropy_p80": 0.8,
+    "policy/entropy_p90": 0.9,
+    "policy/entropy_p99": 0.99,
+}
+
+
+def reference_entropy(model, batch: RolloutBatch) -> dict:
+    """fp64 entropies of every response token of ``batch`` from ``model``'s logits, each sequence
+    alone in its own forward (plain log_softmax over the real vocabulary): mean, count and the
+    (floor(q n) + 1)-th smallest for each quantile."""
+    from stapo_megatron.models.qwen3.model import packed_seq_params
+    from stapo_megatron.trainer.batch import make_microbatches
+
+    values = []
+    with torch.no_grad():
+        for mb in make_microbatches(batch, [[i] for i in range(len(batch))], torch.device("cpu")):
+            logits = model(
+                mb["input_ids"],
+                mb["position_ids"],
+                None,
+                packed_seq_params=packed_seq_params(mb["cu_seqlens"], mb["max_seqlen"]),
+            )
+            logp = torch.log_softmax(logits[..., : ARCH.vocab_size].double(), dim=-1)  # Megatron pads to 256
+            values.append(-(logp.exp() * logp).sum(-1)[mb["response_mask"] > 0])
+    everything = torch.sort(torch.cat(values)).values
+    n = len(everything)
+    return {
+        "tokens": float(n),
+        "mean": float(everything.mean()),
+        **{key: float(everything[int(q * n)]) for key, q in QUANTILES.items()},
+    }
+
+
 def skip_matches_full_update(out_dir: str) -> None:
     from stapo_megatron.models.qwen3.parallelize import build_stage
     from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
@@ -133,6 +176,7 @@ def skip_matches_full_update(out_dir: str) -> None:
     out = {}
     for name, (dynamic, algo) in cases.items():
         batch = rollout(dynamic)
+        positive_tokens = float(sum(len(r) for r, a in zip(batch.response_ids, batch.advantages) if a > 0))
         runs = []
         for skip in (True, False):
             ddp, updater = _updater(ctx, weights, _cfg(skip, **algo))
@@ -151,6 +195,12 @@ def skip_matches_full_update(out_dir: str) -> None:
             "pg_loss": [[r["policy/pg_loss"] for r in r1], [r["policy/pg_loss"] for r in r0]],
             "silenced": [[r["s2t/silenced_tokens"] for r in r1], [r["s2t/silenced_tokens"] for r in r0]],
             "tau_h": [[r["s2t/tau_h"] for r in r1], [r["s2t/tau_h"] for r in r0]],
+            "entropy": [
+                {k: m[k] for k in ("policy/entropy", "policy/statistics_tokens", *QUANTILES)} for m in (m1, m0)
+            ],
+            "entropy_reference": reference_entropy(reference, batch),
+            "quadrants": [[{k: v for k, v in r.items() if k.startswith("quadrant/")} for r in rs] for rs in (r1, r0)],
+            "positive_tokens": positive_tokens,
         }
     Path(out_dir, f"rank{ctx.rank}.json").write_text(json.dumps(out))
 
@@ -178,3 +228,33 @@ def test_leaving_out_zero_advantage_sequences_gives_the_same_update(results, cas
         assert row["silenced"][0] == row["silenced"][1] and sum(row["silenced"][0]) > 0
         assert row["tau_h"][0] == pytest.approx(row["tau_h"][1], rel=1e-6)
         assert row["pg_loss"][0] == pytest.approx(row["pg_loss"][1], rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("case", ["no_dynamic_sampling", "dynamic_sampling", "seq_mean_tis"])
+def test_the_entropy_covers_every_response_token_also_when_sequences_are_left_out(results, case):
+    """With the skip on, policy/entropy and its quantiles are over every response token of the
+    step, zero-advantage groups included (before, they covered only the sequences that ran)."""
+    for rank in results:
+        row = rank[case]
+        ref = row["entropy_reference"]
+        for metrics in row["entropy"]:  # skip on, skip off
+            assert metrics["policy/statistics_tokens"] == ref["tokens"]
+            assert metrics["policy/entropy"] == pytest.approx(ref["mean"], rel=1e-5)
+            for key in QUANTILES:
+                assert metrics[key] == pytest.approx(ref[key], rel=1e-5), key
+        skipped, full = row["entropy"]
+        assert skipped["policy/entropy"] == pytest.approx(full["policy/entropy"], rel=1e-6)
+
+
+@pytest.mark.parametrize("case", ["no_dynamic_sampling", "dynamic_sampling", "seq_mean_tis"])
+def test_the_quadrants_are_those_of_the_full_update(results, case):
+    for rank in results:
+        row = rank[case]
+        skipped, full = row["quadrants"]
+        assert len(skipped) == len(full) == 2  # one row per optimizer step
+        for with_skip, without in zip(skipped, full):
+            assert with_skip.keys() == without.keys() and len(with_skip) == 11
+            for key, value in without.items():
+                assert with_skip[key] == pytest.approx(value, rel=1e-5, abs=1e-9), key
+        assert sum(r["quadrant/positive_tokens"] for r in full) == row["positive_tokens"]
+        assert all(r["quadrant/grad_norm_sum"] > 0 for r in full)
