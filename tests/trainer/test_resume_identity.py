@@ -461,13 +461,15 @@ def test_a_changed_algorithm_data_setting_and_sequence_parallelism_take_effect_w
     run_dir = _copy(distributed_run, tmp_path)
     result = run(
         train_command(
-            run_dir, *STEPS, "run.steps=3", "algo=grpo", "data.shuffle=false", "parallel.sequence_parallel=true"
+            run_dir, *STEPS, "run.steps=3", "algo=justrl", "data.shuffle=false", "parallel.sequence_parallel=true"
         )
     )
     warnings = [line.split("warning: ", 1)[1] for line in result.stderr.splitlines() if "warning: " in line]
     expected = [
         "parallel.sequence_parallel changed on resume: false -> true (takes effect)",
-        'algo.name changed on resume: "stapo" -> "grpo" (takes effect)',
+        "algo.clip_ratio_c changed on resume: 3.0 -> 10.0 (takes effect)",
+        'algo.name changed on resume: "stapo" -> "justrl" (takes effect)',
+        'algo.reward_scale changed on resume: "binary" -> "signed" (takes effect)',
         "algo.tau_p changed on resume: 0.006 -> 0.002 (takes effect)",
         'algo.token_rule changed on resume: "s2t" -> "all" (takes effect)',
         "data.shuffle changed on resume: true -> false (takes effect)",
