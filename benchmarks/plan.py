@@ -65,11 +65,17 @@ def _activation_rank(out: str, tp: int, cases: list) -> None:
     from stapo_megatron.launch.measure import activation_peak
     from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
 
-    init_distributed(ParallelConfig(tensor_parallel=tp), seed=0)
+    ctx = init_distributed(ParallelConfig(tensor_parallel=tp), seed=0)
     rows = []
     for seq, recompute, dtype in cases:
         peak = activation_peak(
-            ARCH, seq_len=seq, micro_batch=2, recompute=recompute, params_dtype=getattr(torch, dtype), logits_chunk=256
+            ctx,
+            ARCH,
+            seq_len=seq,
+            micro_batch=2,
+            recompute=recompute,
+            params_dtype=getattr(torch, dtype),
+            logits_chunk=256,
         )
         rows.append([seq, recompute, dtype, peak])
     if dist.get_rank() == 0:

@@ -159,7 +159,7 @@ def padded_plan(batch, cfg, ctx, per_microbatch: int):
     """The layout before packing, as the trainer built it: each mini-batch's sequences longest
     first, ``per_microbatch`` per micro-batch, padded to the longest of each."""
     from stapo_megatron.trainer.batch import make_microbatches, model_tokens, token_slots
-    from stapo_megatron.trainer.update import MinibatchPlan, StepPlan
+    from stapo_megatron.trainer.step_plan import MinibatchPlan, StepPlan
 
     groups = int(batch.group_ids.max()) + 1
     count = cfg.batch.minibatches_per_step
@@ -212,7 +212,8 @@ def measure(report: str, variant: str, prompts: int, group: int, cap: int, budge
     from stapo_megatron.models.qwen3.parallelize import build_stage
     from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
     from stapo_megatron.trainer.batch import model_tokens
-    from stapo_megatron.trainer.update import PolicyUpdater, plan_step
+    from stapo_megatron.trainer.step_plan import plan_step
+    from stapo_megatron.trainer.update import PolicyUpdater
 
     ctx = init_distributed(ParallelConfig(), seed=1)
     arch = Qwen3Config(**SMALL_QWEN3)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from stapo_megatron.config import ConfigError
 
-# A training checkpoint: <run>/checkpoints/iter_ + the zero-padded step (Checkpointer.name). Any
-# other entry there (a copy iter_0000004.bak, a staging .iter_0000005.partial) is not one.
+# A training checkpoint: <run>/checkpoints/iter_ + the zero-padded step (checkpoint_name in
+# trainer/checkpoint_directory.py). Any other entry there (a copy iter_0000004.bak, a staging
+# .iter_0000005.partial) is not one.
 CHECKPOINT_NAME = re.compile(r"iter_(\d{7})")
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -42,7 +43,7 @@ def newest_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str
     skipped = []
     for candidate in run_checkpoints(run_dir):
         try:
-            verify_checkpoint(candidate, full=False, collective=False)
+            verify_checkpoint(candidate, full=False)
         except ConfigError as err:
             skipped.append(str(err))
             continue
@@ -53,7 +54,7 @@ def newest_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str
 def _refuse_run_directory(ckpt: Path) -> None:
     """``--ckpt`` given a run directory (or its ``checkpoints/``) rather than one checkpoint:
     name the checkpoint to pass instead of calling the directory an incomplete checkpoint."""
-    from stapo_megatron.checkpoint.dist import COMPLETE_MARKER
+    from stapo_megatron.checkpoint.marker import COMPLETE_MARKER
 
     run_dir = ckpt.parent if ckpt.name == "checkpoints" else ckpt
     if (ckpt / COMPLETE_MARKER).exists() or not run_checkpoints(run_dir):

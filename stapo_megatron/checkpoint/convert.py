@@ -24,8 +24,6 @@ import torch.distributed as dist
 from stapo_megatron.checkpoint.dist import (
     ASSETS_DIR,
     COMMON_FILE,
-    COMPLETE_MARKER,
-    check_complete,
     common_field,
     foreign_entry,
     load_common,
@@ -53,10 +51,14 @@ from stapo_megatron.checkpoint.hf_io import (
     finalize_shards,
 )
 from stapo_megatron.checkpoint.integrity import verify_checkpoint
+from stapo_megatron.checkpoint.marker import COMPLETE_MARKER, check_complete
 from stapo_megatron.config import ConfigError
 from stapo_megatron.models.qwen3.config import Qwen3Config
 from stapo_megatron.models.qwen3.parallelize import build_stage, check_layout
 from stapo_megatron.models.qwen3.state_dict_adapter import hf_tensor_shapes, load_shard, param_mappings
+
+if typing.TYPE_CHECKING:
+    from stapo_megatron.runtime.distributed import ParallelContext
 
 MODEL_KEY = "model"
 META_KEY = "stapo"
@@ -128,29 +130,27 @@ def model_state(model: torch.nn.Module) -> dict:
     return {MODEL_KEY: unwrap(model).sharded_state_dict()}
 
 
-def load_model(model: torch.nn.Module, directory: str | Path, verify: bool = True) -> None:
+def load_model(model: torch.nn.Module, directory: str | Path, ctx: ParallelContext, verify: bool = True) -> None:
     """Load a checkpoint's model weights into this rank's stage, whatever layout wrote them.
 
-    Collective. ``verify``: first check every file against the checksums in the checkpoint's
-    marker (the hashing is shared by the ranks).
+    Collective over ``ctx``'s ranks. ``verify``: first check every file against the checksums in
+    the checkpoint's marker (the hashing is shared by the ranks).
     """
     if verify:
-        verify_checkpoint(directory)
+        verify_checkpoint(directory, ctx)
     state = load_dist(model_state(model), directory)
     unwrap(model).load_state_dict(state[MODEL_KEY])
 
 
 @torch.no_grad()
-def fill_from_hf(model: torch.nn.Module, arch: Qwen3Config, hf: HFCheckpoint) -> None:
-    """Copy this rank's slices of a Hugging Face checkpoint into the stage's parameters."""
-    from megatron.core import parallel_state as ps
-
+def fill_from_hf(model: torch.nn.Module, arch: Qwen3Config, hf: HFCheckpoint, ctx: ParallelContext) -> None:
+    """Copy this rank's slices (its tensor-parallel rank in ``ctx``) of a Hugging Face checkpoint
+    into the stage's parameters."""
     model = unwrap(model)
-    tp_rank = ps.get_tensor_model_parallel_rank()
     params = dict(model.named_parameters())
     for mapping in param_mappings(model, arch, stage_layer_offset(model)):
         param = params[mapping.megatron_name]
-        shard = load_shard(mapping, hf.read, arch, param.shape, param.dtype, tp_rank)
+        shard = load_shard(mapping, hf.read, arch, param.shape, param.dtype, ctx.tp_rank)
         if shard.shape != param.shape:
             raise ConfigError(
                 f"{hf.path}: {', '.join(mapping.hf_names)} give a {list(shard.shape)} shard for "
@@ -173,16 +173,14 @@ def _hf_dtype(hf: HFCheckpoint) -> torch.dtype:
 
 
 def hf_to_megatron_rank(hf_dir: str, out_dir: str, tp: int, pp: int, dtype_name: str | None) -> None:
-    from stapo_megatron.runtime.distributed import device
-
-    _init_ranks(tp, pp)
+    ctx = _init_ranks(tp, pp)
     arch = Qwen3Config.from_hf(hf_dir)
     hf = HFCheckpoint(hf_dir)
     dtype = dtype_from_name(dtype_name) if dtype_name else _hf_dtype(hf)
-    model = build_stage(arch, params_dtype=dtype, perform_initialization=False, device=device())
-    fill_from_hf(model, arch, hf)
+    model = build_stage(arch, ctx, params_dtype=dtype, perform_initialization=False, device=ctx.device)
+    fill_from_hf(model, arch, hf, ctx)
     state = {**model_state(model), META_KEY: checkpoint_meta(arch, dtype)}
-    save_dist(state, out_dir, metadata={"source": str(hf_dir)}, assets=hf_assets(hf_dir))
+    save_dist(state, out_dir, ctx, metadata={"source": str(hf_dir)}, assets=hf_assets(hf_dir))
 
 
 def megatron_to_hf_rank(
@@ -193,8 +191,8 @@ def megatron_to_hf_rank(
     ctx = _init_ranks(tp, pp)
     arch, params_dtype = read_meta(ckpt_dir)
     dtype = dtype_from_name(dtype_name) if dtype_name else None
-    model = build_stage(arch, params_dtype=params_dtype, perform_initialization=False, device=ctx.device)
-    load_model(model, ckpt_dir)
+    model = build_stage(arch, ctx, params_dtype=params_dtype, perform_initialization=False, device=ctx.device)
+    load_model(model, ckpt_dir, ctx)
     names = rank_export_names(model, arch, ctx.tp_size, ctx.tp_rank)
     shapes = hf_tensor_shapes(arch)
     out_dtype = dtype or params_dtype
@@ -207,8 +205,7 @@ def megatron_to_hf_rank(
         for name, tensor in bucket.named_tensors():
             writer.write(name, tensor)
     writer.close()
-    gathered: list[list[tuple[str, list[str], int]]] = [[] for _ in range(ctx.world_size)]  # each rank's files
-    dist.all_gather_object(gathered, writer.files, group=ctx.cpu_group)
+    gathered: list[list[tuple[str, list[str], int]]] = ctx.all_gather_object(writer.files)  # each rank's files
     if ctx.rank == 0:
         finalize_shards(staging, [f for rank_files in gathered for f in rank_files])
     dist.barrier(group=ctx.cpu_group)
@@ -321,7 +318,7 @@ def convert_megatron_to_hf(
     verify_checkpoint(ckpt_dir, full=False)
     arch, _ = read_meta(ckpt_dir)
     # The index checked against itself and the data files' sizes here, not once per rank.
-    from stapo_megatron.checkpoint.safe_load import METADATA_FILE, read_dcp_metadata
+    from stapo_megatron.checkpoint.dcp_index import METADATA_FILE, read_dcp_metadata
 
     read_dcp_metadata(ckpt_dir / METADATA_FILE)
     check_layout(arch, tp, pp)

@@ -1,10 +1,12 @@
 """Megatron distributed checkpoints (``megatron.core.dist_checkpointing``), written atomically.
 
 A checkpoint is written into a hidden sibling directory and renamed into place by rank 0 only
-after every rank finished and a ``stapo_complete.json`` marker was written, so a directory with
-the final name is always whole. The marker records the size and sha256 of every file
-(:mod:`stapo_megatron.checkpoint.integrity`). Loading refuses a directory without the marker, and
-reads it without running anything it holds (:mod:`stapo_megatron.checkpoint.safe_load`).
+after every rank finished and a ``stapo_complete.json`` marker (:mod:`~stapo_megatron.checkpoint.marker`)
+was written, so a directory with the final name is always whole. The marker records the size and
+sha256 of every file (:mod:`stapo_megatron.checkpoint.integrity`). Loading refuses a directory
+without the marker, and reads it without running anything it holds
+(:mod:`stapo_megatron.checkpoint.safe_load`). The collectives run over the groups of the
+:class:`~stapo_megatron.runtime.distributed.ParallelContext` they are given.
 """
 
 from __future__ import annotations
@@ -16,19 +18,20 @@ import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from stapo_megatron.checkpoint.files import open_regular
+from stapo_megatron.checkpoint.integrity import HASH, record_files
+from stapo_megatron.checkpoint.marker import COMPLETE_MARKER, check_complete
 from stapo_megatron.config import ConfigError
 
-COMPLETE_MARKER = "stapo_complete.json"
+if TYPE_CHECKING:
+    from stapo_megatron.runtime.distributed import ParallelContext
+
 COMMON_FILE = "common.pt"  # megatron.core.dist_checkpointing's name for the non-sharded state
 # Tokenizer and generation files carried with a checkpoint, so an export can restore them.
 ASSETS_DIR = "hf_assets"
-# A marker lists every file with its size and hash: a few hundred bytes per file.
-MAX_MARKER_BYTES = 64 * 1024**2
 # What a checkpoint write puts in its directory (torch_dist's index, its temporary and data
 # files, Megatron's metadata.json and common.pt, the marker, the assets): the only contents a
 # left-over staging or replaced directory may hold for it to be removed without asking.
@@ -63,25 +66,6 @@ def _use_fork_results_queue() -> None:
         manager = SyncManager(ctx=mp.get_context("fork"))
         manager.start(initializer=_in_queue_manager, initargs=(os.getpid(),))
         filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def cpu_group():
-    """The gloo group of every rank for Python objects and CPU metadata (the runtime's one group,
-    :func:`stapo_megatron.runtime.distributed.cpu_group`), or None without a process group."""
-    if not dist.is_initialized():
-        return None
-    from stapo_megatron.runtime.distributed import cpu_group as runtime_cpu_group
-
-    return runtime_cpu_group()
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def staging_dir(directory: Path) -> Path:
@@ -123,7 +107,11 @@ def remove_leftover(path: Path) -> None:
 
 
 def save_dist(
-    state: dict, directory: str | Path, metadata: dict | None = None, assets: dict[str, Path] | None = None
+    state: dict,
+    directory: str | Path,
+    ctx: ParallelContext,
+    metadata: dict | None = None,
+    assets: dict[str, Path] | None = None,
 ) -> Path:
     """Collectively save ``state`` (sharded tensors and common objects) to ``directory``.
 
@@ -133,28 +121,25 @@ def save_dist(
 
     directory = Path(directory)
     staging = staging_dir(directory)
-    refusal: list[str | None] = [None]
-    if _rank() == 0:
+    refusal: str | None = None
+    if ctx.rank == 0:
         try:
             remove_leftover(staging)  # left by a write that was killed
             staging.mkdir(parents=True)
         except ConfigError as err:
-            refusal = [str(err)]
-    if dist.is_initialized():  # every rank raises alike: none waits for rank 0 in a later collective
-        dist.broadcast_object_list(refusal, src=0, group=cpu_group())
-    if refusal[0] is not None:
-        raise ConfigError(refusal[0])
+            refusal = str(err)
+    refusal = ctx.broadcast_object(refusal)  # every rank raises alike: none waits for rank 0 in a later collective
+    if refusal is not None:
+        raise ConfigError(refusal)
     _use_fork_results_queue()
     dist_checkpointing.save(state, str(staging))
-    _barrier()
-    if _rank() == 0 and assets:
+    dist.barrier(group=ctx.world_group)
+    if ctx.rank == 0 and assets:
         (staging / ASSETS_DIR).mkdir()
         for name, source in assets.items():
             shutil.copy2(source, staging / ASSETS_DIR / name)
-    from stapo_megatron.checkpoint.integrity import HASH, record_files
-
-    files = record_files(staging)  # collective: each rank hashes what it wrote
-    if _rank() == 0:
+    files = record_files(staging, ctx)  # collective: each rank hashes what it wrote
+    if ctx.rank == 0:
         with open(staging / COMPLETE_MARKER, "w", encoding="utf-8") as f:
             json.dump({"time": time.time(), **(metadata or {}), "hash": HASH, "files": files}, f)
         if directory.exists():
@@ -166,30 +151,8 @@ def save_dist(
             shutil.rmtree(trash)
         else:
             staging.rename(directory)
-    _barrier()
+    dist.barrier(group=ctx.world_group)
     return directory
-
-
-def check_complete(directory: str | Path) -> dict:
-    """The completion marker's contents (refuses a directory without one)."""
-    directory = Path(directory)
-    marker = directory / COMPLETE_MARKER
-    if not directory.is_dir():
-        raise ConfigError(f"{directory}: checkpoint directory does not exist")
-    try:
-        with open_regular(marker) as f:
-            raw = f.read(MAX_MARKER_BYTES + 1)
-    except FileNotFoundError:
-        raise ConfigError(f"{directory}: not a complete stapo checkpoint (no {COMPLETE_MARKER})") from None
-    if len(raw) > MAX_MARKER_BYTES:
-        raise ConfigError(f"{marker}: damaged completion marker (more than {MAX_MARKER_BYTES} bytes)")
-    try:
-        content = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
-        raise ConfigError(f"{marker}: damaged completion marker (not JSON)") from None
-    if not isinstance(content, dict):
-        raise ConfigError(f"{marker}: damaged completion marker (not a JSON object)")
-    return content
 
 
 _KIND_NAMES = {bool: "a bool", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a dict"}
@@ -228,6 +191,7 @@ def load_common(directory: str | Path) -> dict[str, Any]:
     Not verified against the checksums here (callers verify once, collectively: see
     :func:`stapo_megatron.checkpoint.integrity.verify_checkpoint`).
     """
+    # here, not at the top: readers of a run directory (the launcher) do not load torch's checkpointing
     from stapo_megatron.checkpoint import safe_load
 
     check_complete(directory)

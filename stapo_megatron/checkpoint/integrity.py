@@ -1,10 +1,10 @@
 """Checksums of a checkpoint's files, recorded in its completion marker and verified before use.
 
 ``stapo_complete.json`` lists every file of the checkpoint (relative path, size, sha256). Writing
-and verifying are collective when torch.distributed is running: the file list is decided on rank
-0, each rank hashes a deterministic share (at save, the ``__<rank>_*.distcp`` files it wrote
-itself, still in its page cache), and the results travel as Python objects over the CPU group
-(:func:`stapo_megatron.checkpoint.dist.cpu_group`), so every rank reaches the same verdict.
+and verifying are collective when given the ranks' parallel context: the file list is decided on
+rank 0, each rank hashes a deterministic share (at save, the ``__<rank>_*.distcp`` files it wrote
+itself, still in its page cache), and the results travel as Python objects over the context's CPU
+group, so every rank reaches the same verdict.
 Files are read in bounded chunks, a few at a time per rank.
 
 A checkpoint whose marker has no ``files`` was written before checksums were recorded: it is
@@ -19,13 +19,14 @@ import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
-from stapo_megatron.checkpoint.dist import COMPLETE_MARKER, check_complete, cpu_group
 from stapo_megatron.checkpoint.files import open_regular, regular_size
+from stapo_megatron.checkpoint.marker import COMPLETE_MARKER, check_complete
 from stapo_megatron.config import ConfigError
+
+if TYPE_CHECKING:
+    from stapo_megatron.runtime.distributed import ParallelContext
 
 logger = logging.getLogger(__name__)
 
@@ -35,30 +36,6 @@ HASH_THREADS = 4
 # The data files of a torch distributed checkpoint: ``__<writer rank>_<thread>.distcp``.
 _DATA_FILE_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 _HEX_RE = re.compile(r"^[0-9a-f]{64}$")
-
-
-def _distributed() -> bool:
-    return dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _broadcast(obj, group):
-    payload = [obj]
-    dist.broadcast_object_list(payload, src=0, group=group)
-    return payload[0]
-
-
-def _all_gather(obj, group) -> list:
-    out = [None] * _world()
-    dist.all_gather_object(out, obj, group=group)
-    return out
 
 
 def file_digest(path: str | os.PathLike) -> tuple[int, str]:
@@ -135,19 +112,21 @@ def _hash_share(directory: Path, names: list[str]) -> dict[str, tuple[int, str] 
         return dict(pool.map(one, names))
 
 
-def record_files(directory: str | os.PathLike) -> dict[str, dict] | None:
-    """Hash every file of a just-written checkpoint. Collective; the manifest is returned on rank 0
+def record_files(directory: str | os.PathLike, ctx: ParallelContext | None = None) -> dict[str, dict] | None:
+    """Hash every file of a just-written checkpoint. Collective over ``ctx``'s ranks when given
+    (without it, this process alone); the manifest is returned on rank 0
     (``{path: {"size": n, "sha256": hex}}``), None elsewhere."""
     directory = Path(directory)
-    group = cpu_group()
-    files = list_files(directory) if _rank() == 0 else None
-    if _distributed():
-        files = _broadcast(files, group)
+    ranks = ctx if ctx is not None and ctx.world_size > 1 else None  # who shares the work
+    rank, world = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
+    files = list_files(directory) if rank == 0 else None
+    if ranks is not None:
+        files = ranks.broadcast_object(files)
     assert files is not None  # rank 0's listing, on every rank
-    share = assign_shares(files, _world(), by_writer=True)[_rank()]
+    share = assign_shares(files, world, by_writer=True)[rank]
     results = _hash_share(directory, share)
-    gathered = _all_gather(results, group) if _distributed() else [results]
-    if _rank() != 0:
+    gathered = ranks.all_gather_object(results) if ranks is not None else [results]
+    if rank != 0:
         return None
     manifest = {}
     for results in gathered:
@@ -206,25 +185,19 @@ def _inspect(directory: Path, full: bool) -> tuple[dict, list[tuple[str, int, st
     return marker, to_hash
 
 
-def _warn(message: str) -> None:
-    if _rank() == 0:
-        logger.warning("%s", message)  # once: every rank verifies the same checkpoint
-
-
-def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, collective: bool = True) -> dict:
+def verify_checkpoint(directory: str | os.PathLike, ctx: ParallelContext | None = None, *, full: bool = True) -> dict:
     """Check every file of a checkpoint against its marker (present, nothing extra, size, sha256);
     returns the marker. Any difference is a one-line ConfigError naming the file.
 
-    Collective when torch.distributed is running (every rank calls it and every rank gets the same
-    result; the hashing is shared). ``full=False`` hashes all but the large ``*.distcp`` data files
-    (their sizes are still checked): a cheap check before the ranks do the full one.
-    ``collective=False``: this process alone, whether or not torch.distributed is running (one
-    rank looking at a run directory, as the end-of-run summary does).
+    Collective over ``ctx``'s ranks when given (every rank calls it and every rank gets the same
+    result; the hashing is shared); without it, this process alone, whether or not
+    torch.distributed is running (one rank looking at a run directory, as the end-of-run summary
+    does). ``full=False`` hashes all but the large ``*.distcp`` data files (their sizes are still
+    checked): a cheap check before the ranks do the full one.
     """
     directory = Path(directory)
-    together = collective and _distributed()
-    group = cpu_group() if together else None
-    rank, world = (_rank(), _world()) if together else (0, 1)
+    ranks = ctx if ctx is not None and ctx.world_size > 1 else None  # who shares the work
+    rank, world = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
     # ("ok", marker, files to hash) or ("error", message, None), decided by rank 0
     verdict: tuple[str, Any, list[tuple[str, int, str]] | None] | None = None
     if rank == 0:
@@ -234,14 +207,17 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, collec
             verdict = ("error", str(err), None)
         except Exception as err:  # an unreadable directory must not leave the other ranks waiting
             verdict = ("error", f"{directory}: cannot be checked: {type(err).__name__}: {err}", None)
-    if together:
-        verdict = _broadcast(verdict, group)
+    if ranks is not None:
+        verdict = ranks.broadcast_object(verdict)
     assert verdict is not None  # rank 0's, on every rank
     status, marker, to_hash = verdict
     if status == "error":
         raise ConfigError(marker)
     if to_hash is None:
-        _warn(f"{directory}: written before checkpoints recorded checksums; its integrity cannot be verified")
+        if rank == 0:  # once: every rank verifies the same checkpoint
+            logger.warning(
+                "%s: written before checkpoints recorded checksums; its integrity cannot be verified", directory
+            )
         return marker
     sizes = {name: size for name, size, _ in to_hash}
     share = assign_shares(sizes, world)[rank]
@@ -256,8 +232,8 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, collec
                 f"{directory / name}: contents differ from the {HASH} recorded in {COMPLETE_MARKER} (damaged or "
                 "modified)"
             )
-    if together:
-        errors = {name: message for part in _all_gather(errors, group) for name, message in part.items()}
+    if ranks is not None:
+        errors = {name: message for part in ranks.all_gather_object(errors) for name, message in part.items()}
     if errors:
         raise ConfigError(errors[min(errors)])
     return marker

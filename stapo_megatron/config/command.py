@@ -29,9 +29,9 @@ from typing import Any, Literal
 
 from stapo_megatron.config.core import (
     ConfigError,
-    _coerce,
     apply_overrides,
     build,
+    coerce,
     describe,
     parse_override,
     read_yaml,
@@ -61,16 +61,17 @@ class Flag:
     def dest(self) -> str:
         return "flag_" + self.flag.lstrip("-").replace("-", "_")
 
-    def values(self, given: Any) -> dict[str, Any]:
-        return self.parse(given) if self.parse else {self.field: given}
+    def values(self, parsed: Any) -> dict[str, Any]:
+        """The field values of what argparse parsed for this flag."""
+        return self.parse(parsed) if self.parse else {self.field: parsed}
 
-    def spelled(self, given: Any) -> str:
+    def spelled(self, parsed: Any) -> str:
         """How the user wrote it, for error messages."""
         if self.kind in ("true", "false"):
             return self.flag
         if self.kind == "bool":
-            return self.flag if given else "--no-" + self.flag[2:]
-        shown = " ".join(map(str, given)) if isinstance(given, list) else given
+            return self.flag if parsed else "--no-" + self.flag[2:]
+        shown = " ".join(map(str, parsed)) if isinstance(parsed, list) else parsed
         return f"{self.flag} {shown}"
 
 
@@ -85,9 +86,6 @@ class CommandConfig:
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # dotted field -> default of this command
     note: str = ""  # said under the field list, e.g. that the rest is the training config
     default_file: Callable[[], Any] = lambda: None  # the config file used without --config (train: the tiny CPU run)
-
-    def prefixed(self, name: str) -> str:
-        return f"{self.section}.{name}" if self.section else name
 
     def rows(self) -> list[tuple[str, str, str, str]]:
         """(dotted name, type, default, doc) of every field, with this command's defaults."""
@@ -199,7 +197,7 @@ def _field_type(cls: type, path: list[str]) -> Any:
 def _same_value(tp: Any, a: Any, b: Any) -> bool:
     if tp is not None:
         with contextlib.suppress(ConfigError, TypeError):
-            return _coerce(tp, a, "") == _coerce(tp, b, "")
+            return coerce(tp, a, "") == coerce(tp, b, "")
     return a == b
 
 
@@ -303,12 +301,12 @@ def load_command(
     for flag in command.flags:
         if not hasattr(args, flag.dest):
             continue
-        given = getattr(args, flag.dest)
-        for name, value in flag.values(given).items():
+        parsed = getattr(args, flag.dest)
+        for name, value in flag.values(parsed).items():
             if name in dotted:
                 tp = _field_type(command.cls, name.split(".")[1 if command.section else 0 :])
                 if not _same_value(tp, dotted[name][0], value):
-                    raise ConfigError(f"{flag.spelled(given)} and {dotted[name][1]}: two values for {name}; give one")
+                    raise ConfigError(f"{flag.spelled(parsed)} and {dotted[name][1]}: two values for {name}; give one")
             set_field(data, name.split("."), value, name)
             flag_of[name] = flag.flag
     names = FieldNames(flag_of)

@@ -15,7 +15,7 @@ import math
 import os
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -271,23 +271,15 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _coerce(tp: Any, value: Any, where: str) -> Any:
+def coerce(tp: Any, value: Any, where: str) -> Any:
+    """``value`` as a field of type ``tp`` (a union, Literal, dataclass, list or tuple, dict, or scalar), or
+    a ConfigError naming ``where``."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if tp is Any:
         return value
     if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(arg, value, where)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} matches none of {_type_name(tp)}")
+        return _coerce_union(tp, value, where)
     if origin is Literal:
         if value not in args:
             raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, args))}")
@@ -301,53 +293,83 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             else:
                 raise ConfigError(f"{where}: expected a list, got {value!r}")
         item_type = args[0] if args else Any
-        items = [_coerce(item_type, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        items = [coerce(item_type, v, f"{where}[{i}]") for i, v in enumerate(value)]
         return items if origin is list else tuple(items)
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return dict(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
+    scalar = _SCALARS.get(tp)
+    if scalar is None:
+        raise TypeError(f"{where}: unsupported config type {tp!r}")
+    return scalar(value, where)
+
+
+def _coerce_union(tp: Any, value: Any, where: str) -> Any:
+    """The first member of the union that takes ``value`` (None only when the union admits it)."""
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return coerce(arg, value, where)
+        except ConfigError as err:
+            errors.append(str(err))
+    raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} matches none of {_type_name(tp)}")
+
+
+def _to_bool(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ConfigError(f"{where}: expected true or false, got {value!r}")
+
+
+def _to_int(value: Any, where: str) -> int:
+    if isinstance(value, bool):
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        number = None
-        if isinstance(value, (int, float)):
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{where}: expected an integer, got {value!r}")
+
+
+def _to_float(value: Any, where: str) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    number = None
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-6" as a string
             number = float(value)
-        elif isinstance(value, str):
-            try:  # YAML 1.1 reads "1e-6" as a string
-                number = float(value)
-            except ValueError:
-                pass
-        if number is None:
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        # NaN passes every comparison-based check, and no field means "no limit" by inf.
-        if not math.isfinite(number):
-            raise ConfigError(f"{where}: must be a finite number, got {value!r}")
-        return number
-    if tp is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
-    raise TypeError(f"{where}: unsupported config type {tp!r}")
+        except ValueError:
+            pass
+    if number is None:
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    # NaN passes every comparison-based check, and no field means "no limit" by inf.
+    if not math.isfinite(number):
+        raise ConfigError(f"{where}: must be a finite number, got {value!r}")
+    return number
+
+
+def _to_str(value: Any, where: str) -> str:
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{where}: expected a string, got {value!r}")
+
+
+_SCALARS: dict[Any, Callable[[Any, str], Any]] = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
 
 
 def _check_bounds(bounds: Bounds | None, value: Any, where: str) -> None:
@@ -391,7 +413,7 @@ def build(cls: type, data: Any, where: str = "") -> Any:
     kwargs = {}
     for name, f in fields.items():
         if name in data:
-            kwargs[name] = _coerce(hints[name], data[name], prefix + name)
+            kwargs[name] = coerce(hints[name], data[name], prefix + name)
             _check_bounds(f.metadata.get("bounds"), kwargs[name], prefix + name)
             if f.metadata.get("secret"):
                 _refuse_redacted(kwargs[name], prefix + name)

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from stapo_megatron.checkpoint.dist import ASSETS_DIR, COMPLETE_MARKER
+from stapo_megatron.checkpoint.dist import ASSETS_DIR
 from stapo_megatron.checkpoint.hf_io import EVAL_EXPORT_MARKER, EXPORT_MARKER, HFCheckpoint
+from stapo_megatron.checkpoint.marker import COMPLETE_MARKER, check_complete
 from stapo_megatron.config import ConfigError
 from stapo_megatron.models.qwen3.config import Qwen3Config
 from stapo_megatron.models.qwen3.state_dict_adapter import hf_tensor_shapes
@@ -130,8 +131,6 @@ class HFExport:
             self._temporary = True
 
     def _identity(self) -> dict:
-        from stapo_megatron.checkpoint.dist import check_complete
-
         return {
             "checkpoint": str(self.source.path.resolve()),
             "complete": check_complete(self.source.path),

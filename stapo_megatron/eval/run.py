@@ -14,12 +14,19 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stapo_megatron.config import ConfigError
 from stapo_megatron.config.command import FieldNames
 from stapo_megatron.eval.config import EvalCommandConfig
 from stapo_megatron.models.qwen3.config import Qwen3Config
+
+if TYPE_CHECKING:  # imported where they run: they bring in torch and transformers
+    from stapo_megatron.data.prompts import PromptEncoder
+    from stapo_megatron.eval.model import HFExport, ModelSource
+    from stapo_megatron.eval.runner import BenchmarkTask, EvalRun
+    from stapo_megatron.eval.verifier import Verifier
+    from stapo_megatron.rollout.config import RolloutConfig
 
 DEFAULT_OUT_ROOT = "eval_results"
 
@@ -75,21 +82,24 @@ def with_engine_model(cfg: EvalCommandConfig, hf_dir: Path):
     return dataclasses.replace(cfg.rollout, sglang=dataclasses.replace(sglang, model_path=str(hf_dir)))
 
 
-def evaluate(cfg: EvalCommandConfig, names: FieldNames) -> None:
-    import torch
+@dataclasses.dataclass
+class EvalInputs:
+    """What an evaluation reads, checked before any weights are loaded."""
 
-    from stapo_megatron.data.prompts import PromptEncoder, default_stop_token_ids
-    from stapo_megatron.eval.model import HFExport, default_model_name, inspect_model, load_tokenizer, start_engine
-    from stapo_megatron.eval.report import markdown_table
-    from stapo_megatron.eval.runner import (
-        RESULTS_FILE,
-        EvalRun,
-        Sampling,
-        default_problems_per_call,
-        load_tasks,
-        prompt_settings,
-    )
-    from stapo_megatron.eval.verifier import inspect_verifier, start_verifier_engine
+    source: ModelSource
+    tokenizer: Any
+    verifier: Verifier | None
+    encoder: PromptEncoder
+    tasks: list[BenchmarkTask]
+
+
+def check_inputs(cfg: EvalCommandConfig, names: FieldNames) -> EvalInputs:
+    """The model, its tokenizer, the verifier, the prompt template and the benchmark files, each
+    error named by the field the user set."""
+    from stapo_megatron.data.prompts import PromptEncoder
+    from stapo_megatron.eval.model import inspect_model, load_tokenizer
+    from stapo_megatron.eval.runner import load_tasks
+    from stapo_megatron.eval.verifier import inspect_verifier
 
     source = inspect_model(cfg.model, cfg.tokenizer or None)
     tokenizer = load_tokenizer(source.tokenizer_dir)
@@ -107,57 +117,84 @@ def evaluate(cfg: EvalCommandConfig, names: FieldNames) -> None:
         tasks = load_tasks(cfg.eval, encoder)
     except ConfigError as err:  # named relative to the eval section
         raise names.rename(ConfigError(f"eval.{err}")) from None
-    export = HFExport(source, cfg.export_dir or None)
+    return EvalInputs(source, tokenizer, verifier, encoder, tasks)
+
+
+def output_dir(cfg: EvalCommandConfig, name: str) -> Path:
+    """``out``, or ``eval_results/<model name>-<decoding>``."""
+    if cfg.out:
+        return Path(cfg.out)
+    return Path(DEFAULT_OUT_ROOT) / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}-{cfg.eval.decoding}"
+
+
+def evaluate(cfg: EvalCommandConfig, names: FieldNames) -> None:
+    from stapo_megatron.data.prompts import default_stop_token_ids
+    from stapo_megatron.eval.model import HFExport, default_model_name
+    from stapo_megatron.eval.report import markdown_table
+    from stapo_megatron.eval.runner import RESULTS_FILE, EvalRun, Sampling, default_problems_per_call, prompt_settings
+
+    inputs = check_inputs(cfg, names)
+    export = HFExport(inputs.source, cfg.export_dir or None)
     try:
         rollout_cfg = with_engine_model(cfg, export.hf_dir)
-        name = cfg.name or default_model_name(source.path)
-        out = (
-            Path(cfg.out)
-            if cfg.out
-            else (Path(DEFAULT_OUT_ROOT) / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}-{cfg.eval.decoding}")
-        )
+        name = cfg.name or default_model_name(inputs.source.path)
+        out = output_dir(cfg, name)
         temperature, top_p = cfg.eval.sampling
         sampling = Sampling(
             temperature=temperature,
             top_p=top_p,
             max_new_tokens=cfg.eval.max_new_tokens,
-            stop_token_ids=tuple(default_stop_token_ids(tokenizer, cfg.chat_template)),
+            stop_token_ids=tuple(default_stop_token_ids(inputs.tokenizer, cfg.chat_template)),
             seed=cfg.eval.seed,
             problems_per_call=cfg.eval.problems_per_call or default_problems_per_call(rollout_cfg.engine),
         )
         settings = {
-            "model": str(source.path.resolve()),
+            "model": str(inputs.source.path.resolve()),
             "engine": rollout_cfg.engine,
-            **prompt_settings(encoder, cfg.reward),
+            **prompt_settings(inputs.encoder, cfg.reward),
         }
-        verifier_settings = verifier.settings(rollout_cfg.engine) if verifier is not None else None
+        verifier_settings = inputs.verifier.settings(rollout_cfg.engine) if inputs.verifier is not None else None
         try:
-            run = EvalRun(out, tasks, sampling, settings, fresh=cfg.overwrite, verifier=verifier_settings)
+            run = EvalRun(out, inputs.tasks, sampling, settings, fresh=cfg.overwrite, verifier=verifier_settings)
         except ConfigError as err:
             raise ConfigError(f"{names.name('out')}: {err}") from None
-        device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
         with run:
-            pending = run.pending()
-            if pending:
-                logger.info("%d responses to sample into %s", pending, out)
-                hf_dir = export.materialize()
-                engine = start_engine(rollout_cfg, source, hf_dir, device, out)
-                try:
-                    run.generate(engine, tokenizer, cfg.reward)
-                finally:
-                    engine.shutdown()
-            if verifier is not None and run.pending_verdicts():
-                logger.info("%d rule-wrong responses for the verifier %s", run.pending_verdicts(), verifier.name)
-                engine = start_verifier_engine(verifier, cfg.rollout, device, out)
-                try:
-                    run.verify(engine, verifier)
-                finally:
-                    engine.shutdown()
+            fill_missing(run, cfg, inputs, export, rollout_cfg, out)
             results = run.results(name, {"preset": cfg.eval.decoding, "temperature": temperature, "top_p": top_p})
     finally:
         export.cleanup()
     print(markdown_table([results]), end="")
     logger.info("results in %s", out / RESULTS_FILE)
+
+
+def fill_missing(
+    run: EvalRun, cfg: EvalCommandConfig, inputs: EvalInputs, export: HFExport, rollout_cfg: RolloutConfig, out: Path
+) -> None:
+    """Sample the responses ``run`` lacks, then have the verifier judge the rule-wrong ones it has not
+    judged; each engine starts only when it has work and shuts down before the next one starts."""
+    import torch
+
+    from stapo_megatron.eval.model import start_engine
+    from stapo_megatron.eval.verifier import start_verifier_engine
+
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    pending = run.pending()
+    if pending:
+        logger.info("%d responses to sample into %s", pending, out)
+        hf_dir = export.materialize()
+        engine = start_engine(rollout_cfg, inputs.source, hf_dir, device, out)
+        try:
+            run.generate(engine, inputs.tokenizer, cfg.reward)
+        finally:
+            engine.shutdown()
+    verifier = inputs.verifier
+    if verifier is not None and run.pending_verdicts():
+        logger.info("%d rule-wrong responses for the verifier %s", run.pending_verdicts(), verifier.name)
+        engine = start_verifier_engine(verifier, cfg.rollout, device, out)
+        try:
+            run.verify(engine, verifier)
+        finally:
+            engine.shutdown()
 
 
 def run_eval_command(cfg: EvalCommandConfig, names: FieldNames) -> None:

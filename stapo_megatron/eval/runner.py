@@ -305,13 +305,13 @@ class EvalRun:
                 todo = sum(len(self._missing(task, g)) for g in self._groups(task))
                 if not todo:
                     continue
-                done = len(task.records) * task.k - todo
+                already_written = len(task.records) * task.k - todo
                 logger.info(
                     "%s: %d problems x %d samples%s",
                     task.name,
                     len(task.records),
                     task.k,
-                    f" ({done} already written)" if done else "",
+                    f" ({already_written} already written)" if already_written else "",
                 )
                 started = last_report = time.monotonic()
                 written = 0

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from stapo_megatron.launch import experiments, plan, submit
+from stapo_megatron.launch import experiments, plan_command, submit
 
 
 def register(subparsers) -> None:
-    for module in (submit, experiments, plan):
+    for module in (submit, experiments, plan_command):
         module.register(subparsers)

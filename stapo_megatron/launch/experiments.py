@@ -16,8 +16,8 @@ import sys
 from stapo_megatron.config import ConfigError
 from stapo_megatron.config.command import int_in
 from stapo_megatron.launch.submit import (
-    _job_id,
     import_nemo_run,
+    job_id_from_handle,
     nemo_console_to_stderr,
 )
 
@@ -64,7 +64,7 @@ def experiment_status(name: str) -> dict:
             {
                 "name": job_name,
                 "state": str(info.get("status")).rsplit(".", 1)[-1],
-                "job_id": info.get("job_id") or _job_id(info.get("handle")),
+                "job_id": info.get("job_id") or job_id_from_handle(info.get("handle")),
                 "local_dir": info.get("local_dir"),
                 "remote_dir": info.get("remote_dir"),
             }

@@ -32,16 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 from stapo_megatron.config import ConfigError, build
 from stapo_megatron.config.command import read_training_file
-from stapo_megatron.launch.plan import (
-    GIB,
-    Estimate,
-    Layout,
-    PlanConfig,
-    Workload,
-    check_layout_fits_model,
-    estimate,
-    memory_model,
-)
+from stapo_megatron.launch.plan import GIB, Estimate, Layout, Workload, check_layout_fits_model, estimate
+from stapo_megatron.launch.plan_config import PlanConfig, memory_model
 from stapo_megatron.models.qwen3.config import Qwen3Config
 from stapo_megatron.rollout.config import SGLangConfig
 from stapo_megatron.rollout.endpoints import ServerEndpoint
@@ -69,7 +61,8 @@ class Machines:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryModel:
-    """:func:`~stapo_megatron.launch.plan.estimate`'s inputs (``plan.memory_model``) and the sync's bucket size."""
+    """:func:`~stapo_megatron.launch.plan.estimate`'s inputs (``plan_config.memory_model``) and the sync's bucket
+    size."""
 
     work: Workload
     options: dict[str, Any]

@@ -15,9 +15,14 @@ set: the planner's activations, kept + max(work, logits).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from stapo_megatron.models.qwen3.config import Qwen3Config
+
+if TYPE_CHECKING:
+    from stapo_megatron.runtime.distributed import ParallelContext
 
 
 def allocation_peak(fn) -> tuple[int, int]:
@@ -36,6 +41,7 @@ def allocation_peak(fn) -> tuple[int, int]:
 
 
 def activation_peak(
+    ctx: ParallelContext,
     arch: Qwen3Config,
     *,
     seq_len: int,
@@ -46,25 +52,22 @@ def activation_peak(
     logits_chunk: int = 1024,
     seed: int = 0,
 ) -> int:
-    """Peak bytes of one forward + backward of this rank's stage (PP = 1) with the trainer's
-    log-prob kernel as the loss, gradients allocated beforehand."""
-    from megatron.core import parallel_state as ps
-
+    """Peak bytes of one forward + backward of this rank's stage (PP = 1) of the layout ``ctx`` with the
+    trainer's log-prob kernel as the loss, gradients allocated beforehand."""
     from stapo_megatron.loss import vocab_parallel_logprob_entropy
     from stapo_megatron.models.qwen3.parallelize import build_stage
 
-    if ps.get_pipeline_model_parallel_world_size() != 1:
+    if ctx.pp_size != 1:
         raise ValueError("activation_peak measures a whole model (pipeline_parallel = 1)")
     torch.manual_seed(seed)
-    model = build_stage(arch, params_dtype=params_dtype, recompute=recompute, sequence_parallel=sequence_parallel)
+    model = build_stage(arch, ctx, params_dtype=params_dtype, recompute=recompute, sequence_parallel=sequence_parallel)
     ids = torch.randint(0, arch.vocab_size, (micro_batch, seq_len))
     positions = torch.arange(seq_len).expand(micro_batch, seq_len)
-    group = ps.get_tensor_model_parallel_group()
 
     def step():
         logits = model(ids, positions, None)
         logprob, _ = vocab_parallel_logprob_entropy(
-            logits, ids, tp_group=group, chunk_size=logits_chunk, vocab_size=arch.vocab_size
+            logits, ids, tp_group=ctx.tp_group, chunk_size=logits_chunk, vocab_size=arch.vocab_size
         )
         loss = -logprob.float().sum()
         # as in the trainer's schedule, only the loss kernel holds the logits during backward
@@ -77,8 +80,8 @@ def activation_peak(
     return peak
 
 
-def optimizer_footprint(arch: Qwen3Config, *, params_dtype: torch.dtype = torch.bfloat16) -> dict:
-    """This rank's stage under Megatron's DDP (fp32 gradient buffer) and distributed Adam, as the
+def optimizer_footprint(ctx: ParallelContext, arch: Qwen3Config, *, params_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """This rank's stage of the layout ``ctx`` under Megatron's DDP (fp32 gradient buffer) and distributed Adam, as the
     trainer builds them: parameter count, buffer elements and optimizer bytes after one step."""
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -88,7 +91,7 @@ def optimizer_footprint(arch: Qwen3Config, *, params_dtype: torch.dtype = torch.
 
     from stapo_megatron.models.qwen3.parallelize import build_stage
 
-    model = build_stage(arch, params_dtype=params_dtype)
+    model = build_stage(arch, ctx, params_dtype=params_dtype)
     params = sum(p.numel() for p in model.parameters())
     ddp = DistributedDataParallel(
         config=model.config,

@@ -71,7 +71,3 @@ def meta_stage(arch: Qwen3Config, tp: int, pp: int, stage: int, params_dtype: to
             use_cpu_initialization=True,
         )
         return build_gpt_model(arch, config, pre_process=stage == 0, post_process=stage == pp - 1, pg_collection=groups)
-
-
-def named_numels(model) -> list[tuple[str, int]]:
-    return [(name, p.numel()) for name, p in model.named_parameters()]

@@ -104,7 +104,8 @@ def run_dir_for_batch_shell(run_dir: str, job_workdir: str, mounts: list[str], *
 
 def batch_script_lines(run_dir: str, signal_lead_s: int, max_requeues: int) -> str:
     """Bash for NeMo-Run's ``setup_lines``: the USR1 trap and the ``srun`` wrapper described above."""
-    from stapo_megatron.trainer.launcher import ALLOCATION_STARTED_ENV, STOP_FILE
+    from stapo_megatron.runtime.run_files import STOP_FILE
+    from stapo_megatron.trainer.launcher import ALLOCATION_STARTED_ENV
 
     stop_file = shlex.quote(posixpath.join(run_dir, STOP_FILE))
     run_dir = shlex.quote(run_dir)

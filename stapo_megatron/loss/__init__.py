@@ -5,7 +5,8 @@
 - :mod:`.token_rules`: per-token statistics -> keep weights, and the registry of rules;
 - :mod:`.related_rules`: rules from related papers (STARE) and why ICT is absent;
 - :mod:`.selection`: the mini-batch and micro-batch scopes of a rule's threshold;
-- :mod:`.policy`: the clipped surrogate with clip-higher, KL and entropy terms, aggregation;
+- :mod:`.policy`: :class:`PolicyLoss`, the clipped surrogate with clip-higher, KL and entropy terms, aggregation;
+- :mod:`.policy_metrics`: the loss's raw and logged metrics, one table;
 - :mod:`.objectives`: the registry of policy-gradient terms (PPO clip, Clip-Cov, KL-Cov, GSPO);
 - :mod:`.metrics`: reduction of the loss metrics over micro-batches and ranks;
 - :mod:`.advantages`: reward scale, group advantages, dynamic sampling, overlong shaping;
@@ -23,7 +24,7 @@ from stapo_megatron.loss.config import AlgoConfig
 from stapo_megatron.loss.logprob_entropy import DEFAULT_CHUNK_SIZE, vocab_parallel_logprob_entropy
 from stapo_megatron.loss.metrics import all_reduce_metrics, reduce_metrics
 from stapo_megatron.loss.objectives import OBJECTIVES, Objective, get_objective, register_objective, token_seed
-from stapo_megatron.loss.policy import k3, policy_loss
+from stapo_megatron.loss.policy import LossInputs, PolicyLoss, k3
 from stapo_megatron.loss.quantile import gather_values, quantile_threshold
 from stapo_megatron.loss.related_rules import STARERule  # registers the related-paper rules
 from stapo_megatron.loss.rollout_correction import (
@@ -55,8 +56,10 @@ __all__ = [
     "AlgoConfig",
     "DEFAULT_CHUNK_SIZE",
     "HighEntropyRule",
+    "LossInputs",
     "OBJECTIVES",
     "Objective",
+    "PolicyLoss",
     "S2TRule",
     "STARERule",
     "Selection",
@@ -76,7 +79,6 @@ __all__ = [
     "mismatch_sums",
     "needs_statistics_pass",
     "overlong_penalty",
-    "policy_loss",
     "quantile_threshold",
     "reduce_metrics",
     "rollout_correction",

@@ -12,7 +12,7 @@ SCALES = ("std", "none")
 REWARD_SCALES = ("binary", "signed")
 
 
-def correctness_reward(correct: torch.Tensor, scale: str = "binary") -> torch.Tensor:
+def correctness_reward(correct: torch.Tensor, scale: str) -> torch.Tensor:
     """The reward of each response from its verdict (1 correct, 0 not): ``binary`` keeps 1 / 0 (the
     STAPO paper's R in {0, 1}); ``signed`` gives +1 / -1, as DAPO's verifier
     (verl ``utils/reward_score/math_dapo.py``: ``1.0 if correct else -1.0``), which JustRL and the
@@ -37,9 +37,7 @@ def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.to(torch.float32).view(-1, group_size)
 
 
-def group_advantages(
-    rewards: torch.Tensor, group_size: int, scale: str | None = "std", eps: float = 1e-6
-) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str | None, eps: float) -> torch.Tensor:
     """One advantage per response: (r - mean) / (std + eps) (GRPO) or r - mean (``scale=None`` or
     ``"none"``: Dr. GRPO), mean and std over the response's group.
 
@@ -66,7 +64,7 @@ def dynamic_sampling_filter(rewards: torch.Tensor, group_size: int) -> torch.Ten
     return mixed.nonzero().squeeze(-1)
 
 
-def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, penalty_factor: float = 1.0) -> torch.Tensor:
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, penalty_factor: float) -> torch.Tensor:
     """DAPO's soft overlong punishment (arXiv 2503.14476, Eq. 13, L_max = ``max_length``, L_cache =
     ``buffer``; verl's DAPO reward manager), added to the signed reward (<= 0), per response length:
 

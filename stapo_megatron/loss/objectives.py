@@ -1,4 +1,4 @@
-"""Policy objectives: the per-token policy-gradient term that :func:`~stapo_megatron.loss.policy_loss`
+"""Policy objectives: the per-token policy-gradient term that :class:`~stapo_megatron.loss.PolicyLoss`
 weights and sums, a registry selected by ``AlgoConfig.objective``.
 
 Why a registry of its own and not token rules: a token rule maps statistics to keep weights

@@ -24,8 +24,9 @@ Differences from the reference, all deliberate:
   arbitrarily; here every token tied with the cut is in L+ (the same set when surprisals differ);
 - the paper's adaptive schedule of W and M (``stare_adaptive``, off in the paper's main runs) is
   not implemented: W and M are fixed;
-- ``policy_loss`` multiplies the whole per-token term by the weight, so with ``kl_coef`` or
-  ``entropy_coef`` > 0 those terms are reweighted too (the reference has neither in STARE runs).
+- :class:`~stapo_megatron.loss.PolicyLoss` multiplies the whole per-token term by the weight, so
+  with ``kl_coef`` or ``entropy_coef`` > 0 those terms are reweighted too (the reference has
+  neither in STARE runs).
 
 ICT (Feng et al., "Beyond Entropy: Learning from Token-Level Distributional Deviations for LLM
 Reasoning", arXiv 2606.19771) is not here: its abstract says it updates the top 10% of unique

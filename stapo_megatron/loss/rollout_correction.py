@@ -48,9 +48,9 @@ def rollout_correction(
     old_logprob: torch.Tensor,
     rollout_logprob: torch.Tensor,
     response_mask: torch.Tensor,
-    mode: str = "none",
-    cap: float = 2.0,
-    floor: float | None = None,
+    mode: str,
+    cap: float,
+    floor: float | None,
     segment_ids: torch.Tensor | None = None,
 ) -> Correction:
     """The per-token weight and acceptance of ``mode`` (see the module docstring) for tensors of

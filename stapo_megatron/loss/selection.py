@@ -13,7 +13,7 @@ first update), calls :func:`minibatch_threshold` once on every DP rank, then
         threshold = minibatch_threshold(cfg, [stats of every micro-batch], dp_group)
     ...                                     # per micro-batch, in the loss function:
     sel = select_tokens(cfg, stats, threshold)
-    policy_loss(..., keep=sel.keep, candidates=sel.candidates, tau_h=sel.tau_h)
+    loss(LossInputs(..., keep=sel.keep, candidates=sel.candidates, tau_h=sel.tau_h))  # loss = PolicyLoss(cfg)
 """
 
 from __future__ import annotations

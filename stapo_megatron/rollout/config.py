@@ -171,7 +171,6 @@ class SGLangConfig:
         "",
         "Address servers use to reach the trainer's weight-update store; '' = the local address that routes to them.",
     )
-    weight_sync_port: int = option(0, "Port of the weight-update store; 0 picks a free one.", ge=0, le=65535)
     weight_sync_timeout_s: float = option(
         600.0, "Time limit for joining the weight-update group and for one bucket.", gt=0, le=MAX_WAIT_S
     )

@@ -26,7 +26,3 @@ class ServerEndpoint:
     def colocated(self) -> bool:
         """Runs on GPUs that trainer ranks of the job also use."""
         return self.node >= 0 and bool(self.gpu_ids)
-
-
-def endpoints_on_node(endpoints: list[ServerEndpoint], node: int) -> list[ServerEndpoint]:
-    return [endpoint for endpoint in endpoints if endpoint.node == node]

@@ -22,8 +22,6 @@ import secrets
 import threading
 from pathlib import Path
 
-import torch.distributed as dist
-
 from stapo_megatron.config.core import ConfigError
 from stapo_megatron.rollout.config import SGLangConfig
 from stapo_megatron.rollout.endpoints import ServerEndpoint
@@ -294,8 +292,7 @@ def start_job_servers(ctx, cfg: SGLangConfig, run_dir: Path) -> JobServers:
             launched = owned.start()
         except (SGLangServerError, OSError) as err:
             launched, owned = f"node {node}: {err}", None
-    gathered: list = [None] * ctx.world_size
-    dist.all_gather_object(gathered, launched, group=ctx.cpu_group)
+    gathered = ctx.all_gather_object(launched)
     failures = [entry for entry in gathered if isinstance(entry, str)]
     if failures:
         if owned is not None:

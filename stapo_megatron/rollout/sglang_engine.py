@@ -13,8 +13,9 @@ No ``/generate`` is served on a mix of weight versions: updates pause every serv
 restarted holds its launch weights and is kept out until the next update reaches it, and every
 answer's ``meta_info.weight_version`` must be the version last sent.
 
-Request and response shapes follow SGLang's server source (0.5.15 .. 0.5.23); the version each
-server reports through ``/server_info`` decides the weight-update session (0.5.21+).
+Request and response shapes follow SGLang's server source (0.5.15 .. 0.5.23; ``/generate``'s are
+:mod:`~stapo_megatron.rollout.sglang_generate`); the version each server reports through
+``/server_info`` decides the weight-update session (0.5.21+).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from stapo_megatron.rollout.sglang_client import (
     error_message,
     request,
 )
+from stapo_megatron.rollout.sglang_generate import AbortedSample, StaleAnswer, generate_requests, parse_generate
 from stapo_megatron.rollout.sglang_server import connect_host
 from stapo_megatron.rollout.sglang_weights import TensorSerializer, expected_names_from_hf_checkpoint
 from stapo_megatron.rollout.weight_sync.plan import WeightSyncPlan
@@ -72,15 +74,6 @@ logger = logging.getLogger(__name__)
 # /begin_weight_update ... /end_weight_update session; earlier versions have no such routes.
 SESSION_VERSION = (0, 5, 21)
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
-_SEED_MODULUS = 2**31 - 1
-
-
-class _AbortedSample(Exception):
-    """A sample came back with finish_reason abort (server paused, preempted or restarting)."""
-
-
-class _StaleAnswer(Exception):
-    """A server answered with weights other than the version last sent (it restarted unnoticed)."""
 
 
 def _stop_node_servers(owned: NodeServers) -> None:
@@ -233,7 +226,7 @@ class SGLangEngine(RolloutEngine):
                 return []
             self._server_pool.revive(wait=False, weights_sent=self._weights_loaded)
             self._wait_for_a_server()
-            chunks = self._generate_requests(prompt_ids, params)
+            chunks = generate_requests(prompt_ids, params, self.config.max_prompts_per_request)
             assert self._gen_pool is not None  # made by __init__ with the server pool
             futures = [
                 self._gen_pool.submit(
@@ -421,45 +414,6 @@ class SGLangEngine(RolloutEngine):
             raise ValueError(f"prompt {index} is empty")
         return ids
 
-    def _generate_requests(self, prompts: list[list[int]], params: SamplingParams) -> list[tuple[int, int, dict]]:
-        """(first prompt index, prompt count, /generate body) per chunk of prompts."""
-        sampling: dict[str, Any] = {
-            "n": params.n,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k if params.top_k > 0 else -1,  # SGLang: -1 disables top-k
-            "max_new_tokens": params.max_new_tokens,
-            # sent even when empty, so a server-preferred list cannot add stops
-            "stop_token_ids": [int(t) for t in params.stop_token_ids],
-            **NEUTRAL_SAMPLING,
-        }
-        size = self.config.max_prompts_per_request
-        chunks = []
-        for start in range(0, len(prompts), size):
-            part = prompts[start : start + size]
-            if params.seed is None:
-                input_ids: list[list[int]] = part
-                sampling_params: Any = sampling
-            else:
-                # One seed shared by n samples would make them identical, so each sample becomes its own
-                # n=1 request item with a seed derived from (seed, prompt index, sample index): results
-                # then do not depend on chunking or on which server runs them. 'sampling_seed' is SGLang's
-                # key (0.5.22+ rejects unknown keys such as 'seed'; earlier versions ignore unknown keys).
-                input_ids, sampling_params = [], []
-                for j, ids in enumerate(part):
-                    for s in range(params.n):
-                        input_ids.append(ids)
-                        seed = (params.seed * 1_000_003 + (start + j) * params.n + s) % _SEED_MODULUS
-                        sampling_params.append({**sampling, "n": 1, "sampling_seed": seed})
-            body = {
-                "input_ids": input_ids,
-                "sampling_params": sampling_params,
-                "return_logprob": True,
-                "logprob_start_len": -1,  # log-probs of output tokens only
-            }
-            chunks.append((start, len(part), body))
-        return chunks
-
     def _run_generate(self, body: dict, count: int, n: int, cost: int) -> list[list[Completion]]:
         """One chunk: sent to the least-loaded server; after a failure it goes to another server
         (the failed one never answered it, so nothing is generated twice into the result)."""
@@ -481,10 +435,10 @@ class SGLangEngine(RolloutEngine):
                 server.failures = 0
                 if resp.status == 200:
                     try:
-                        return _parse_generate(resp.json(), count, n, server.url, self._weight_version)
-                    except _AbortedSample as err:
+                        return parse_generate(resp.json(), count, n, server.url, self._weight_version)
+                    except AbortedSample as err:
                         last_error = str(err)
-                    except _StaleAnswer as err:
+                    except StaleAnswer as err:
                         last_error = str(err)
                         tried.add(server.index)
                         self._server_pool.mark_stale(server, str(err))
@@ -580,48 +534,3 @@ class SGLangEngine(RolloutEngine):
         if unknown or not tags:
             raise ValueError(f"memory tags must be a non-empty subset of {MEMORY_TAGS}, got {list(tags)}")
         return list(tags)
-
-
-def _parse_generate(
-    data: Any, num_prompts: int, n: int, url: str, weight_version: str | None = None
-) -> list[list[Completion]]:
-    """SGLang's /generate answer (one dict, or a flat list of num_prompts*n grouped by prompt) -> completions.
-
-    With ``weight_version``, every sample must report it in ``meta_info.weight_version``."""
-    items = [data] if isinstance(data, dict) else data
-    if not isinstance(items, list) or len(items) != num_prompts * n:
-        got = len(items) if isinstance(items, list) else type(data).__name__
-        raise SGLangResponseError(f"{url}/generate returned {got} items for {num_prompts} prompts x n={n}")
-    groups: list[list[Completion]] = []
-    for p in range(num_prompts):
-        group = []
-        for s in range(n):
-            item = items[p * n + s]
-            meta = item.get("meta_info") if isinstance(item, dict) else None
-            if not isinstance(meta, dict):
-                raise SGLangResponseError(f"{url}/generate item {p * n + s} has no meta_info")
-            served = meta.get("weight_version")
-            if weight_version is not None and served is not None and str(served) != weight_version:
-                raise _StaleAnswer(f"{url} answered with weight version {served!r}, expected {weight_version!r}")
-            reason = meta.get("finish_reason")
-            kind = reason.get("type") if isinstance(reason, dict) else reason
-            if kind == "abort":
-                message = reason.get("message", "") if isinstance(reason, dict) else ""
-                raise _AbortedSample(f"{url}/generate aborted a sample: {message or reason}")
-            if kind not in ("stop", "length"):
-                raise SGLangResponseError(f"{url}/generate item {p * n + s} has finish_reason {reason!r}")
-            entries = meta.get("output_token_logprobs")
-            if not isinstance(entries, list):
-                raise SGLangResponseError(f"{url}/generate item {p * n + s} lacks output_token_logprobs")
-            try:
-                # [logprob, token_id, text_or_null]: the token ids here are what was sampled, stop token
-                # included (output_ids may have the matched stop token trimmed).
-                token_ids = [int(e[1]) for e in entries]
-                logprobs = [float(e[0]) for e in entries]
-            except (TypeError, ValueError, IndexError):
-                raise SGLangResponseError(
-                    f"{url}/generate item {p * n + s} has malformed output_token_logprobs"
-                ) from None
-            group.append(Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=kind))
-        groups.append(group)
-    return groups

@@ -62,9 +62,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args or args[0].startswith("-"):
         sys.exit(f"usage: python -m {PROG} <server module | script.py> [server flags], with the key in ${KEY_ENV}")
     target, flags = args[0], args[1:]
-    given = key_flag_in(flags)
-    if given:
-        sys.exit(f"{PROG}: {given} on the command line is readable by every local user; pass the key in ${KEY_ENV}")
+    key_flag = key_flag_in(flags)
+    if key_flag:
+        sys.exit(f"{PROG}: {key_flag} on the command line is readable by every local user; pass the key in ${KEY_ENV}")
     key = os.environ.pop(KEY_ENV, "")
     if not key:
         sys.exit(f"{PROG}: ${KEY_ENV} is empty or not set; refusing to start a server that anyone can control")

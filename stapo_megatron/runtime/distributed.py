@@ -138,6 +138,12 @@ class ParallelContext:
         dist.broadcast_object_list(payload, src=src, group=self.cpu_group)
         return payload[0]
 
+    def all_gather_object(self, obj) -> list:
+        """Every rank's ``obj``, in rank order, on every rank, pickled over gloo."""
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self.cpu_group)
+        return gathered
+
 
 def _megatron_context(local_rank: int, world_group: dist.ProcessGroup, cpu_group: dist.ProcessGroup) -> ParallelContext:
     """Read Megatron's parallel state once; nothing outside this module reads its globals for the trainer."""

@@ -1,4 +1,5 @@
-"""Files of a run written whole or not at all, and a full disk reported as one line.
+"""The files of a run directory: their names, the resolved config's writer, files written whole
+or not at all, and a full disk reported as one line.
 
 A write that fails leaves no partial file: it goes to a hidden temporary beside its target and
 is renamed into place only when complete (and on disk); on failure the temporary is removed. A
@@ -14,9 +15,21 @@ import contextlib
 import errno
 import os
 import re
+import stat
 from pathlib import Path
 
-from stapo_megatron.config import ConfigError
+import yaml
+
+from stapo_megatron.config import ConfigError, to_dict
+
+# The names of what a run writes into its run directory (the rest: trainer/run_directory.py's RUN_OUTPUTS).
+RUN_MARKER = ".stapo_run"  # makes a directory a run directory (trainer/run_directory.py)
+RESOLVED_CONFIG = "config.yaml"  # the resolved config, for people: secrets redacted
+STOP_FILE = "STOP"  # a request to stop after the current step: a first Ctrl-C, or the requeue script's USR1 trap
+METRICS_FILE = "metrics.jsonl"  # one row per step (trainer/metrics.py)
+# The config a `stapo train` launcher hands its ranks (secrets included, 0600): made under the lock,
+# removed when the launcher ends, and by the next run when a SIGKILL left it.
+RANKS_CONFIG = ".ranks_config.yaml"
 
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # How the errors read once a library (torch's checkpoint writer, a C++ extension) has turned
@@ -140,3 +153,28 @@ def check_usable_directory(directory: str | os.PathLike) -> None:
     reason = _unwritable(existing)
     if reason:
         raise run_directory_error(directory, f"cannot be created: {reason}")
+
+
+def is_run_directory(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` carries a run's marker (a regular file, not a link)."""
+    try:
+        return stat.S_ISREG(os.lstat(Path(directory) / RUN_MARKER).st_mode)
+    except OSError:
+        return False
+
+
+def write_resolved_config(cfg) -> Path:
+    """``<run>/config.yaml`` of the training config ``cfg``, for people (secrets redacted). It
+    replaces only a config a run wrote: one in a directory without the run marker is the user's
+    own, and is refused."""
+    directory = cfg.run.directory
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / RESOLVED_CONFIG
+    if os.path.lexists(path) and not is_run_directory(directory):
+        raise ConfigError(
+            f"{path}: not written by a run ({directory} has no {RUN_MARKER}); stapo_megatron does not replace it: "
+            "choose an empty or new run.output_dir"
+        )
+    with atomic_open(path) as f:
+        yaml.safe_dump(to_dict(cfg, redact=True), f, sort_keys=False)  # for people: secrets hidden
+    return path

@@ -1,182 +1,62 @@
-"""The rollout side of the controller rank (rank 0): the engine, rewards, prompts and their sampler,
-the evaluator and the metrics logger, behind :class:`RolloutController`; and one step's rollouts:
-sample G responses per prompt, score, advantages (:class:`RolloutCollector`).
+"""The rollout side of a run behind one facade, :class:`RolloutController`, which the trainer holds
+on every rank and calls once per operation a step needs.
 
-With dynamic sampling, groups whose rewards are all equal carry no signal and are dropped;
-more prompts are sampled in their place, for at most ``batch.max_sampling_rounds`` rounds.
+Rank 0 (the controller rank) alone talks to the engine, scores rewards, samples prompts, evaluates
+and writes the metrics rows (:class:`Rank0Rollouts`); every other rank takes part in the
+collectives around that work and gets rank 0's results. Each node's leader owns its node's SGLang
+servers, and every rank its own link to them for the weight sync.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
+import torch.distributed as dist
 
 from stapo_megatron.config import to_dict
-from stapo_megatron.data.prompts import response_text
-from stapo_megatron.loss import correctness_reward, dynamic_sampling_filter, group_advantages, overlong_penalty
-from stapo_megatron.loss.metrics import Reduction, declare
-from stapo_megatron.rewards import REASONS, summarize_reasons
-from stapo_megatron.rollout.engine import SamplingParams
-from stapo_megatron.trainer.batch import RolloutBatch
-from stapo_megatron.trainer.launcher import STOP_FILE, write_resolved_config
-from stapo_megatron.trainer.metrics import MetricsLogger
+from stapo_megatron.data.prompts import default_stop_token_ids
+from stapo_megatron.runtime.run_files import STOP_FILE, write_resolved_config
+from stapo_megatron.trainer.batch import RolloutBatch, broadcast_rollouts
+from stapo_megatron.trainer.heartbeat import Heartbeat
+from stapo_megatron.trainer.metrics import MetricsLogger, PhaseTimer
+from stapo_megatron.trainer.rollout_collector import RolloutCollector
+
+if TYPE_CHECKING:
+    from stapo_megatron.eval.evaluator import Evaluator
+    from stapo_megatron.rollout.node_servers import JobServers
+    from stapo_megatron.rollout.weight_sync.session import WeightSync
+    from stapo_megatron.runtime.distributed import ParallelContext
+    from stapo_megatron.trainer.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
+_Result = TypeVar("_Result")
 
-def step_seed(run_seed: int, step: int, round_index: int) -> int:
-    """A sampling seed that depends only on (run seed, step, round): resumed runs resample alike."""
-    digest = hashlib.sha256(f"{run_seed}:{step}:{round_index}".encode()).digest()
-    return int.from_bytes(digest[:7], "little")
+
+def stop_token_ids(cfg: TrainConfig, tokenizer) -> list[int]:
+    """The tokens that end a response: the configured ones, else the chat template's defaults."""
+    return list(cfg.batch.stop_token_ids) or default_stop_token_ids(tokenizer, cfg.data.chat_template)
 
 
 @dataclasses.dataclass
-class _Groups:
-    prompt_ids: list[list[int]] = dataclasses.field(default_factory=list)
-    response_ids: list[list[int]] = dataclasses.field(default_factory=list)
-    logprobs: list[list[float]] = dataclasses.field(default_factory=list)
-    truncated: list[bool] = dataclasses.field(default_factory=list)
-    rewards: list[float] = dataclasses.field(default_factory=list)
-    correct: list[float] = dataclasses.field(default_factory=list)
-    groups: int = 0
+class Rank0Rollouts:
+    """What rank 0 alone holds: the collector (engine, rewards, prompts and their sampler), the
+    evaluator (None without in-training evaluation) and the metrics logger."""
 
-
-# The rollout metrics of a step (RolloutCollector._metrics): over every response sampled in it,
-# dynamic sampling's dropped groups and extra rounds included.
-declare(
-    Reduction.SUM,
-    {
-        "rollout/responses_sampled": "responses sampled",
-        "rollout/groups_kept": "groups kept for the update",
-        "rollout/groups_sampled": "groups sampled",
-        "rollout/sampling_rounds": "sampling rounds (dynamic sampling resamples)",
-    },
-)
-declare(
-    Reduction.WEIGHTED_MEAN,
-    {
-        "reward/mean": "mean shaped reward",
-        "reward/accuracy": "fraction of responses the reward judged correct",
-        "response/length_mean": "mean response length in tokens",
-        "response/clipped_fraction": "fraction of responses cut at max_new_tokens",
-        **{
-            f"reward/reason_{reason}": f"fraction of responses the reward scored with reason {reason!r}"
-            for reason in REASONS
-        },
-    },
-    weight="rollout/responses_sampled",
-)
-declare(Reduction.MAX, {"response/length_max": "longest response in tokens"})
-
-
-class RolloutCollector:
-    """Lives on the rollout rank: the engine, the reward pool, the prompts and their sampler."""
-
-    def __init__(self, engine, reward_pool, tokenizer, dataset, sampler, cfg, stop_token_ids):
-        self.engine, self.reward_pool, self.tokenizer = engine, reward_pool, tokenizer
-        self.dataset, self.sampler, self.cfg = dataset, sampler, cfg
-        self.stop_token_ids = tuple(stop_token_ids)
-
-    def _sampling(self, seed: int) -> SamplingParams:
-        b = self.cfg.batch
-        return SamplingParams(
-            n=b.group_size,
-            temperature=b.temperature,
-            top_p=b.top_p,
-            top_k=b.top_k,
-            max_new_tokens=b.max_new_tokens,
-            stop_token_ids=self.stop_token_ids,
-            seed=seed,
-        )
-
-    def collect(self, step: int, timer) -> tuple[RolloutBatch, dict[str, float]]:
-        b, algo = self.cfg.batch, self.cfg.algo
-        kept = _Groups()
-        reasons = dict.fromkeys(REASONS, 0)
-        sampled = _Groups()  # every response of the step, for the reward/length metrics
-        rounds = 0
-        while kept.groups < b.prompts_per_step and rounds < (b.max_sampling_rounds if algo.dynamic_sampling else 1):
-            prompts = self.dataset.batch(self.sampler.next_indices(b.prompts_per_step - kept.groups))
-            with timer("rollout"):
-                completions = self.engine.generate(
-                    [list(p.prompt_ids) for p in prompts], self._sampling(step_seed(self.cfg.run.seed, step, rounds))
-                )
-            rounds += 1
-            flat = [(p, c) for p, group in zip(prompts, completions) for c in group]
-            with timer("reward"):
-                texts = [response_text(self.tokenizer, c.token_ids, c.finish_reason) for _, c in flat]
-                results = self.reward_pool.score(texts, [p.record.answer for p, _ in flat])
-            for reason, count in summarize_reasons(results).items():
-                reasons[reason] += count
-            correct = torch.tensor([r.reward for r in results], dtype=torch.float32)
-            lengths = torch.tensor([len(c.token_ids) for _, c in flat], dtype=torch.long)
-            rewards = correctness_reward(correct, algo.reward_scale)
-            if algo.overlong_shaping:
-                rewards = rewards + overlong_penalty(
-                    lengths, b.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor
-                )
-            keep_groups = (
-                dynamic_sampling_filter(correct, b.group_size).tolist()
-                if algo.dynamic_sampling
-                else list(range(len(prompts)))
-            )
-            _extend(sampled, flat, rewards, correct, range(len(prompts)), b.group_size)
-            room = b.prompts_per_step - kept.groups
-            _extend(kept, flat, rewards, correct, keep_groups[:room], b.group_size)
-        metrics = self._metrics(sampled, kept, reasons, rounds)
-        rewards = torch.tensor(kept.rewards, dtype=torch.float32)
-        advantages = (
-            group_advantages(
-                rewards, b.group_size, scale=None if algo.advantage_scale == "none" else "std", eps=algo.advantage_eps
-            )
-            if kept.groups
-            else rewards
-        )
-        batch = RolloutBatch(
-            prompt_ids=kept.prompt_ids,
-            response_ids=kept.response_ids,
-            rollout_logprobs=kept.logprobs,
-            truncated=torch.tensor(kept.truncated, dtype=torch.bool),
-            rewards=rewards,
-            correct=torch.tensor(kept.correct, dtype=torch.float32),
-            advantages=advantages.to(torch.float32),
-            group_ids=torch.arange(kept.groups, dtype=torch.long).repeat_interleave(b.group_size),
-        )
-        return batch, metrics
-
-    def _metrics(self, sampled: _Groups, kept: _Groups, reasons: dict[str, int], rounds: int) -> dict[str, float]:
-        total = max(len(sampled.rewards), 1)
-        lengths = [len(r) for r in sampled.response_ids] or [0]
-        metrics = {
-            "reward/mean": sum(sampled.rewards) / total,
-            "reward/accuracy": sum(sampled.correct) / total,
-            "response/length_mean": sum(lengths) / len(lengths),
-            "response/length_max": float(max(lengths)),
-            "rollout/responses_sampled": float(len(sampled.rewards)),
-            "response/clipped_fraction": sum(sampled.truncated) / total,
-            "rollout/groups_kept": float(kept.groups),
-            "rollout/groups_sampled": float(sampled.groups),
-            "rollout/sampling_rounds": float(rounds),
-        }
-        metrics.update({f"reward/reason_{reason}": count / total for reason, count in reasons.items()})
-        return metrics
-
-
-class RolloutController:
-    """Everything the training loop asks of the controller rank, which alone talks to the engine,
-    scores rewards, samples prompts, evaluates and writes the metrics rows. Built on rank 0 only."""
-
-    def __init__(self, collector: RolloutCollector, evaluator, logger, run_dir):
-        self.collector, self.evaluator, self.logger, self.run_dir = collector, evaluator, logger, run_dir
+    collector: RolloutCollector
+    evaluator: Evaluator | None
+    metrics_logger: MetricsLogger
+    run_dir: Path
 
     @classmethod
     def build(
-        cls, cfg, tokenizer, arch, device, servers, stop_token_ids, progress: dict, step: int
-    ) -> RolloutController:
-        """The controller for ``cfg``, its sampler at the resumed ``progress``, logging from ``step``."""
+        cls, cfg: TrainConfig, tokenizer, device, servers: JobServers | None, sampler_state: dict | None, step: int
+    ) -> Rank0Rollouts:
+        """Rank 0's side for ``cfg``, its sampler at the resumed ``sampler_state``, logging from ``step``."""
         from stapo_megatron.data.prompts import build_prompt_dataset
         from stapo_megatron.data.sampler import PromptSampler
         from stapo_megatron.rewards import RewardPool
@@ -186,13 +66,14 @@ class RolloutController:
         dataset = build_prompt_dataset(cfg.data, tokenizer)
         logger.info("training prompts: %s", dataset.report.summary())
         sampler = PromptSampler(len(dataset), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-        if "sampler" in progress:
-            sampler.load_state_dict(progress["sampler"])
+        if sampler_state is not None:
+            sampler.load_state_dict(sampler_state)
         engine = build_engine(
-            cfg.rollout, arch, device, hf_dir=cfg.checkpoint.load_hf, run_dir=cfg.run.directory, servers=servers
+            cfg.rollout, cfg.model, device, hf_dir=cfg.checkpoint.load_hf, run_dir=cfg.run.directory, servers=servers
         )
+        stops = stop_token_ids(cfg, tokenizer)
         collector = RolloutCollector(
-            engine, RewardPool.from_config(cfg.reward), tokenizer, dataset, sampler, cfg, stop_token_ids
+            engine, RewardPool.from_config(cfg.reward), tokenizer, dataset, sampler, cfg, stops
         )
         metrics_logger = MetricsLogger(
             cfg.run.directory, cfg.logging, cfg.run.name, to_dict(cfg, redact=True), step, cfg.run.steps
@@ -208,52 +89,142 @@ class RolloutController:
                 cfg.data,
                 cfg.reward,
                 default_max_new_tokens=cfg.batch.max_new_tokens,
-                stop_token_ids=stop_token_ids,
+                stop_token_ids=stops,
             )
         return cls(collector, evaluator, metrics_logger, cfg.run.directory)
 
-    @property
-    def engine(self):
-        return self.collector.engine
+    def close(self) -> None:
+        self.collector.engine.shutdown()
+        self.collector.reward_pool.close()
+        self.metrics_logger.close()
 
-    def collect(self, step: int, timer) -> tuple[RolloutBatch, dict[str, float]]:
-        return self.collector.collect(step, timer)
+
+class RolloutController:
+    """Everything a training step asks of the rollout side, on every rank: the rank-0 work and the
+    collectives that hand its results to the others are inside. ``rank0`` is None on every rank
+    but 0; ``servers`` are the job's SGLang servers (None with the local engine)."""
+
+    def __init__(
+        self,
+        ctx: ParallelContext,
+        arch,
+        heartbeat: Heartbeat,
+        rank0: Rank0Rollouts | None,
+        servers: JobServers | None = None,
+    ):
+        self.ctx, self.arch, self.heartbeat = ctx, arch, heartbeat
+        self._rank0 = rank0
+        self._servers = servers
+        self._weight_sync: WeightSync | None = None  # every rank's link to the SGLang servers, made at the first sync
+
+    @classmethod
+    def start(
+        cls,
+        cfg: TrainConfig,
+        ctx: ParallelContext,
+        tokenizer,
+        heartbeat: Heartbeat,
+        sampler_state: dict | None,
+        step: int,
+    ) -> RolloutController:
+        """Collective: the node leaders launch their node's SGLang servers and every rank learns every
+        endpoint; rank 0 builds its side (:class:`Rank0Rollouts`), resumed at ``sampler_state`` and
+        logging from ``step``."""
+        from stapo_megatron.rollout.factory import start_rollout_servers
+
+        servers = start_rollout_servers(ctx, cfg.rollout, cfg.checkpoint.load_hf, cfg.run.directory)
+        rank0 = Rank0Rollouts.build(cfg, tokenizer, ctx.device, servers, sampler_state, step) if ctx.rank == 0 else None
+        return cls(ctx, cfg.model, heartbeat, rank0, servers)
+
+    def collect(self, step: int, timer: PhaseTimer) -> tuple[RolloutBatch | None, dict[str, float]]:
+        """Rank 0 samples the step's prompts, generates, scores and computes the advantages while
+        every other rank waits. Returns rank 0's batch (None elsewhere: :meth:`broadcast` hands it
+        to every rank) and the step's rollout metrics (rank 0's; none elsewhere)."""
+
+        def collect(rank0: Rank0Rollouts) -> tuple[RolloutBatch, dict[str, float]]:
+            with timer("rollout"):  # sampling bookkeeping; generation and rewards time themselves inside
+                return rank0.collector.collect(step, timer)
+
+        return self._alone_on_rank0(collect, (None, {}), "rollout", step, timer)
+
+    def broadcast(self, batch: RolloutBatch | None) -> RolloutBatch:
+        """Collective: rank 0's ``batch`` of :meth:`collect` on every rank."""
+        return broadcast_rollouts(self.ctx, batch)
+
+    def evaluate(self, step: int, timer: PhaseTimer) -> dict[str, float]:
+        """Rank 0 evaluates the engine's current weights while every other rank waits; its metrics
+        (none elsewhere)."""
+
+        def evaluate(rank0: Rank0Rollouts) -> dict[str, float]:
+            assert rank0.evaluator is not None, "evaluate needs eval.every"
+            with timer("eval"):
+                return rank0.evaluator.evaluate_in_training(step, rank0.run_dir)
+
+        return self._alone_on_rank0(evaluate, {}, "eval", step, timer)
+
+    def sync_weights(self, model, version: int) -> None:
+        """Collective: every rank sends its own share of ``model``'s weights, straight to the SGLang
+        servers, or to rank 0's in-process engine (see rollout/weight_sync/session.py)."""
+        from stapo_megatron.rollout.weight_sync.session import sync_engine_weights
+
+        engine = self._rank0.collector.engine if self._rank0 is not None else None
+        self._weight_sync = sync_engine_weights(self.ctx, model, self.arch, engine, version, self._weight_sync)
 
     def resume_engine(self) -> None:
-        self.engine.resume_memory()
+        """The engine takes its memory back (rank 0 asks the servers of every node)."""
+        if self._rank0 is not None:
+            self._rank0.collector.engine.resume_memory()
 
     def release_engine(self) -> None:
-        self.engine.release_memory()
+        """The engine gives its memory up for training (rank 0 asks the servers of every node)."""
+        if self._rank0 is not None:
+            self._rank0.collector.engine.release_memory()
 
     def sampler_state(self) -> dict:
-        return self.collector.sampler.state_dict()
+        """Collective: the prompt sampler's state, rank 0's on every rank (every rank hands
+        dist_checkpointing the same common state)."""
+        return self.ctx.broadcast_object(
+            self._rank0.collector.sampler.state_dict() if self._rank0 is not None else None
+        )
 
-    def evaluate(self, step: int) -> dict[str, float]:
-        return self.evaluator.evaluate_in_training(step, self.run_dir)
+    def agree_to_stop(self, requested: bool) -> bool:
+        """Collective: whether the run stops after this step, ``requested`` (a signal) on any rank or
+        a stop file in the run directory (rank 0 looks, and removes it once agreed)."""
+        stop_file = self._rank0.run_dir / STOP_FILE if self._rank0 is not None else None
+        stop = self.ctx.any_rank(requested or (stop_file is not None and stop_file.exists()))
+        if stop and stop_file is not None:
+            stop_file.unlink(missing_ok=True)
+        return stop
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.logger.log(step, metrics)
-
-    def stop_file_present(self) -> bool:
-        return (self.run_dir / STOP_FILE).exists()
-
-    def remove_stop_file(self) -> None:
-        (self.run_dir / STOP_FILE).unlink(missing_ok=True)
+    def write_row(self, step: int, metrics: dict[str, float]) -> None:
+        """The step's metrics row, to rank 0's sinks (nothing elsewhere)."""
+        if self._rank0 is not None:
+            self._rank0.metrics_logger.log(step, metrics)
 
     def close(self) -> None:
-        self.engine.shutdown()
-        self.collector.reward_pool.close()
-        self.logger.close()
+        if self._rank0 is not None:
+            self._rank0.close()
+        if self._weight_sync is not None:
+            self._weight_sync.close()
+        if self._servers is not None:
+            self._servers.shutdown()  # this node's servers, on its leader
 
-
-def _extend(target: _Groups, flat, rewards, correct, groups, group_size: int) -> None:
-    for g in groups:
-        for i in range(g * group_size, (g + 1) * group_size):
-            prompt, completion = flat[i]
-            target.prompt_ids.append(list(prompt.prompt_ids))
-            target.response_ids.append(list(completion.token_ids))
-            target.logprobs.append(list(completion.logprobs))
-            target.truncated.append(completion.finish_reason == "length")
-            target.rewards.append(float(rewards[i]))
-            target.correct.append(float(correct[i]))
-        target.groups += 1
+    def _alone_on_rank0(
+        self,
+        action: Callable[[Rank0Rollouts], _Result],
+        default: Any,
+        phase: str,
+        step: int,
+        timer: PhaseTimer,
+    ) -> _Result:
+        """``action(rank0)`` on rank 0 while every other rank waits for it in a barrier (``default``
+        there). Rollouts and evaluation may outlast run.hang_timeout_s: rank 0 beats through them (their
+        requests and rewards have time limits of their own) and the waiting ranks beat whenever rank 0
+        does: a long rollout ends no rank, and a lost or frozen rank 0 still ends those waiting for it."""
+        result = default
+        if self._rank0 is not None:
+            with self.heartbeat.keep_alive():
+                result = action(self._rank0)
+        with timer(phase), self.heartbeat.following_rank0(phase, step):
+            dist.barrier(group=self.ctx.cpu_group)
+        return result

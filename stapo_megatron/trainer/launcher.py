@@ -31,19 +31,10 @@ from stapo_megatron.config.command import load_training_config
 from stapo_megatron.runtime import console
 from stapo_megatron.runtime.environment import env_int, env_seconds
 from stapo_megatron.runtime.launch import kill_tree, watch_launcher
-from stapo_megatron.runtime.run_files import atomic_open
+from stapo_megatron.runtime.run_files import METRICS_FILE, RANKS_CONFIG, STOP_FILE, write_resolved_config
 from stapo_megatron.runtime.run_lock import TOKEN_ENV, RunLock, held_with, slurm_restart_count
 from stapo_megatron.trainer.config import TrainConfig
-from stapo_megatron.trainer.run_directory import (
-    RANKS_CONFIG,
-    RESOLVED_CONFIG,
-    RUN_MARKER,
-    STOP_FILE,
-    archive_run_outputs,
-    check_run_directory,
-    is_run_directory,
-    mark_run_directory,
-)
+from stapo_megatron.trainer.run_directory import archive_run_outputs, check_run_directory, mark_run_directory
 from stapo_megatron.trainer.validation import check_train_config
 
 DEFAULT_CONFIG = "tiny_cpu.yaml"
@@ -100,22 +91,6 @@ def check_environment() -> bool:
     return inside_launch()
 
 
-def write_resolved_config(cfg: TrainConfig) -> Path:
-    """``<run>/config.yaml``, for people (secrets redacted). It replaces only a config a run wrote:
-    one in a directory without the run marker is the user's own, and is refused."""
-    directory = cfg.run.directory
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / RESOLVED_CONFIG
-    if os.path.lexists(path) and not is_run_directory(directory):
-        raise ConfigError(
-            f"{path}: not written by a run ({directory} has no {RUN_MARKER}); stapo_megatron does not replace it: "
-            "choose an empty or new run.output_dir"
-        )
-    with atomic_open(path) as f:
-        yaml.safe_dump(to_dict(cfg, redact=True), f, sort_keys=False)  # for people: secrets hidden
-    return path
-
-
 def check_data(cfg: TrainConfig) -> None:
     """Load the training prompts as rank 0 will, so that a bad data path, file or row fails here
     in seconds rather than after torchrun and the model have started."""
@@ -150,13 +125,13 @@ def prepare_run_directory(cfg: TrainConfig, overwrite: bool) -> None:
     (refusing one that is not), refuse to start a new run on top of an old run's checkpoints unless
     ``overwrite`` (which moves the old run's outputs to ``<run>/archive/<time>/``), and drop what
     an earlier run left: its stop request, its launcher's private config."""
-    from stapo_megatron.trainer.checkpointing import Checkpointer, check_run_files
-    from stapo_megatron.trainer.run_record import check_resume_early
+    from stapo_megatron.trainer.checkpoint_directory import CheckpointDirectory, check_run_files
+    from stapo_megatron.trainer.resume import check_resume_early
 
     directory = cfg.run.directory
     mark_run_directory(directory)
     _remove_stale_ranks_config(directory)
-    steps = Checkpointer(directory, cfg.checkpoint.keep_last).complete_steps()
+    steps = CheckpointDirectory(directory, cfg.checkpoint.keep_last).complete_steps()
     if cfg.checkpoint.resume == "never" and steps and not overwrite:
         raise ConfigError(
             f"{directory}: has checkpoints up to step {steps[-1]} of an earlier run; starting afresh on top of them "
@@ -292,7 +267,7 @@ def run_summary(cfg: TrainConfig) -> str:
     """Where a run stands and what it left: its final metrics, where its checkpoint, metrics, plots
     and silenced-token dumps are, and the commands to try next."""
     from stapo_megatron.trainer.inspector import DUMP_DIR
-    from stapo_megatron.trainer.metrics import METRICS_FILE, read_metrics
+    from stapo_megatron.trainer.metrics import read_metrics
 
     directory = cfg.run.directory
     checkpoint, step = _newest_checkpoint(directory)

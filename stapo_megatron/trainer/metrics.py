@@ -15,11 +15,9 @@ from pathlib import Path
 from stapo_megatron.config import MAX_STEPS
 from stapo_megatron.runtime import console
 from stapo_megatron.runtime.jsonl import is_number, read_rows, shown_key
-from stapo_megatron.runtime.run_files import atomic_open, reporting_no_space
+from stapo_megatron.runtime.run_files import METRICS_FILE, atomic_open, reporting_no_space
 
 logger = logging.getLogger(__name__)
-
-METRICS_FILE = "metrics.jsonl"
 
 
 @dataclasses.dataclass

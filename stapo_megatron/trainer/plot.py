@@ -18,9 +18,8 @@ from pathlib import Path
 
 from stapo_megatron.config import MAX_STEPS, ConfigError
 from stapo_megatron.loss.diagnostics import ENTROPY_QUANTILES, QUADRANTS
-from stapo_megatron.runtime.run_files import atomic_open
-from stapo_megatron.trainer.metrics import METRICS_FILE, read_metrics
-from stapo_megatron.trainer.run_directory import is_run_directory
+from stapo_megatron.runtime.run_files import METRICS_FILE, atomic_open, is_run_directory
+from stapo_megatron.trainer.metrics import read_metrics
 
 # The PNG "Software" text of every figure stapo draws: how a later command knows it may replace one.
 FIGURE_SOFTWARE = "stapo_megatron"

@@ -17,16 +17,19 @@ import torch
 
 from stapo_megatron.models.qwen3.config import Qwen3Config
 from stapo_megatron.models.qwen3.parallelize import build_stage
+from stapo_megatron.runtime.distributed import ParallelContext
 from stapo_megatron.trainer.schedule import forward_only
 
 
 class ReferenceModel:
-    """A frozen copy of ``initial`` (this rank's unwrapped policy stage, still at its initial weights)."""
+    """A frozen copy of ``initial`` (this rank's unwrapped policy stage, still at its initial weights,
+    at its place in ``ctx``)."""
 
     def __init__(
         self,
         initial: torch.nn.Module,
         arch: Qwen3Config,
+        ctx: ParallelContext,
         *,
         params_dtype: torch.dtype,
         sequence_parallel: bool,
@@ -35,6 +38,7 @@ class ReferenceModel:
         # The weights are copied in whole below: no random init (it would also advance the RNG).
         model = build_stage(
             arch,
+            ctx,
             params_dtype=params_dtype,
             perform_initialization=False,
             sequence_parallel=sequence_parallel,

@@ -34,21 +34,25 @@ from pathlib import Path
 
 from stapo_megatron import __version__
 from stapo_megatron.config import ConfigError
-from stapo_megatron.runtime.run_files import atomic_open, check_usable_directory, run_directory_error, temporary_target
+from stapo_megatron.runtime.run_files import (
+    METRICS_FILE,
+    RANKS_CONFIG,
+    RESOLVED_CONFIG,
+    RUN_MARKER,
+    STOP_FILE,
+    atomic_open,
+    check_usable_directory,
+    is_run_directory,
+    run_directory_error,
+    temporary_target,
+)
 from stapo_megatron.runtime.run_lock import GUARD_FILE, LOCK_FILE
-from stapo_megatron.trainer.metrics import METRICS_FILE
 
 logger = logging.getLogger(__name__)
 
-RUN_MARKER = ".stapo_run"
 MARKER_FORMAT = 1
 _MAX_MARKER_BYTES = 4096
-RESOLVED_CONFIG = "config.yaml"
-STOP_FILE = "STOP"
 ARCHIVE_DIR = "archive"
-# The config a `stapo train` launcher hands its ranks (secrets included, 0600): made under the lock,
-# removed when the launcher ends, and by the next run when a SIGKILL left it.
-RANKS_CONFIG = ".ranks_config.yaml"
 
 # What a run, and the commands its summary suggests, write into the run directory: an earlier
 # run's, which --overwrite moves to the archive. The names that live in modules too heavy to
@@ -59,7 +63,7 @@ RUN_OUTPUTS = frozenset(
         RESOLVED_CONFIG,
         STOP_FILE,  # a first Ctrl-C, or the requeue batch script's USR1 trap
         METRICS_FILE,
-        "checkpoints",  # trainer.checkpointing.Checkpointer.root
+        "checkpoints",  # trainer.checkpoint_directory.CheckpointDirectory.root
         "tensorboard",  # trainer.metrics.MetricsLogger
         "wandb",  # wandb.init(dir=<run>)
         "spurious",  # trainer.inspector.DUMP_DIR
@@ -78,14 +82,6 @@ _MARKED, _NEW, _EARLIER_RELEASE = "marked", "new", "earlier release"
 
 def _written_by_a_run(name: str) -> bool:
     return (temporary_target(name) or name) in RUN_OUTPUTS | DIRECTORY_ENTRIES
-
-
-def is_run_directory(directory: str | os.PathLike) -> bool:
-    """Whether ``directory`` carries a run's marker (a regular file, not a link)."""
-    try:
-        return stat.S_ISREG(os.lstat(Path(directory) / RUN_MARKER).st_mode)
-    except OSError:
-        return False
 
 
 def _marker_problem(path: Path) -> str | None:

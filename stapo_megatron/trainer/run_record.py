@@ -354,31 +354,3 @@ def plan_resume(checkpoint: Path, common: dict, now: dict) -> ResumePlan:
     if fresh_sampler:
         changes.append("the data settings changed: the prompt order starts afresh, at epoch 0 of the new data")
     return ResumePlan(changes, fresh_sampler)
-
-
-def check_resume_early(cfg: TrainConfig) -> None:
-    """Before any rank starts (``stapo train``'s launcher): a resume that the ranks would refuse,
-    refused now, in one line, without starting torchrun or hashing the checkpoint. Compares the
-    newest complete checkpoint of ``cfg``'s run directory; one whose common state cannot be read is
-    left to the ranks, which verify it and fall back to an older one (and compare that)."""
-    import tempfile
-
-    from stapo_megatron.data.prompts import load_tokenizer
-    from stapo_megatron.trainer.checkpointing import Checkpointer
-
-    if cfg.checkpoint.resume == "never":
-        return
-    checkpointer = Checkpointer(cfg.run.directory, cfg.checkpoint.keep_last)
-    latest = checkpointer.latest()
-    if latest is None:
-        return
-    try:
-        common = checkpointer.read_common(latest)
-    except ConfigError:
-        return
-    with tempfile.TemporaryDirectory(prefix="stapo-tokenizer-") as written:
-        tokenizer_dir = cfg.hf_tokenizer_dir
-        if cfg.data.is_synthetic:  # the ranks write it into the run directory; the same files, here
-            load_tokenizer(cfg.data, "").save_pretrained(written)
-            tokenizer_dir = written
-        plan_resume(latest, common, run_record(cfg, tokenizer_dir))

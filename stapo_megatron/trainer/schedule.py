@@ -2,8 +2,9 @@
 
 A micro-batch is a dict of tensors with at least ``input_ids`` and ``position_ids`` ([b, s]); a
 packed one ([1, s], see trainer/batch.py) adds ``cu_seqlens`` and ``max_seqlen``.
-``step_fn(logits, batch)`` runs on the last pipeline stage on this rank's vocabulary slice of the
-logits ([b, s, V/tp]): in training it returns Megatron's per-token loss triple
+A training pass may run any items that carry a micro-batch (``tensors_of(item)``: its dict), for a
+loss that reads more than the tensors. ``step_fn(logits, item)`` runs on the last pipeline stage on
+this rank's vocabulary slice of the logits ([b, s, V/tp]): in training it returns Megatron's per-token loss triple
 ``(loss_sum, num_tokens, report)``; forward-only, whatever it returns is collected.
 """
 
@@ -18,30 +19,36 @@ import torch
 from stapo_megatron.models.qwen3.model import packed_seq_params
 
 
-def _forward_step(step_fn: Callable, collect: bool, data_iterator, model):
-    batch = next(data_iterator)
+def _same(microbatch: dict) -> dict:
+    return microbatch
+
+
+def _forward_step(step_fn: Callable, collect: bool, tensors_of: Callable[[Any], dict], data_iterator, model):
+    item = next(data_iterator)
+    batch = tensors_of(item)
     packed = None
     if "cu_seqlens" in batch:  # a packed row (trainer/batch.py)
         packed = packed_seq_params(batch["cu_seqlens"], batch["max_seqlen"])
     logits = model(batch["input_ids"], batch["position_ids"], None, packed_seq_params=packed)
 
     def loss_func(output, non_loss_data: bool = False):
-        return step_fn(output, batch)
+        return step_fn(output, item)
 
-    return logits, loss_func if collect else partial(step_fn, batch=batch)
+    return logits, loss_func
 
 
-def _run(model, microbatches: Sequence[dict], step_fn: Callable, forward_only: bool):
+def _run(model, items: Sequence, step_fn: Callable, forward_only: bool, tensors_of: Callable[[Any], dict] = _same):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    if not microbatches:
+    if not items:
         raise ValueError("no micro-batches to run")
     chunks = model if isinstance(model, list) else [model]
+    microbatches = [tensors_of(item) for item in items]
     return get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, step_fn, forward_only),
-        data_iterator=iter(microbatches),
+        forward_step_func=partial(_forward_step, step_fn, forward_only, tensors_of),
+        data_iterator=iter(items),
         model=chunks,
-        num_microbatches=len(microbatches),
+        num_microbatches=len(items),
         seq_length=max(int(b["input_ids"].shape[1]) for b in microbatches),
         micro_batch_size=int(microbatches[0]["input_ids"].shape[0]),
         forward_only=forward_only,
@@ -55,6 +62,12 @@ def forward_only(model, microbatches: Sequence[dict], step_fn: Callable[[torch.T
         return list(_run(model, microbatches, step_fn, forward_only=True))
 
 
-def forward_backward(model, microbatches: Sequence[dict], loss_fn: Callable[[torch.Tensor, dict], tuple]) -> list[dict]:
-    """Accumulate gradients over ``microbatches``; returns the per-micro-batch reports (last stage)."""
-    return list(_run(model, microbatches, loss_fn, forward_only=False))
+def forward_backward(
+    model,
+    items: Sequence[Any],
+    loss_fn: Callable[[torch.Tensor, Any], tuple],
+    tensors_of: Callable[[Any], dict] = _same,
+) -> list[dict]:
+    """Accumulate gradients over ``items`` (micro-batches, or what ``tensors_of`` reads them from);
+    returns the per-micro-batch reports (last stage)."""
+    return list(_run(model, items, loss_fn, forward_only=False, tensors_of=tensors_of))

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import signal
-from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -15,13 +11,12 @@ import torch.distributed as dist
 
 from stapo_megatron.checkpoint.convert import fill_from_hf, hf_assets, load_model
 from stapo_megatron.checkpoint.hf_io import HFCheckpoint
-from stapo_megatron.config import ConfigError
-from stapo_megatron.data.prompts import default_stop_token_ids, load_tokenizer
-from stapo_megatron.loss.metrics import combine_steps
+from stapo_megatron.data.prompts import load_tokenizer
 from stapo_megatron.models.qwen3.parallelize import build_stage
 from stapo_megatron.runtime.distributed import init_distributed
-from stapo_megatron.trainer.batch import RolloutBatch, broadcast_rollouts
-from stapo_megatron.trainer.checkpointing import Checkpointer, check_run_files, decided_on_rank0
+from stapo_megatron.trainer.batch import RolloutBatch
+from stapo_megatron.trainer.checkpoint_directory import CheckpointDirectory
+from stapo_megatron.trainer.checkpointing import Checkpointer
 from stapo_megatron.trainer.config import TrainConfig
 from stapo_megatron.trainer.controller import RolloutController
 from stapo_megatron.trainer.heartbeat import Heartbeat, job_store
@@ -29,17 +24,11 @@ from stapo_megatron.trainer.inspector import SpuriousTokenDump
 from stapo_megatron.trainer.metrics import PhaseTimer
 from stapo_megatron.trainer.offload import OPTIMIZER, PARAMS, TrainerOffload
 from stapo_megatron.trainer.reference import ReferenceModel
-from stapo_megatron.trainer.run_record import ResumePlan, plan_resume, run_record
-from stapo_megatron.trainer.update import PolicyUpdater, merge_reporter_metrics
-
-if TYPE_CHECKING:
-    from stapo_megatron.rollout.weight_sync.session import WeightSync
+from stapo_megatron.trainer.resume import resume_point
+from stapo_megatron.trainer.run_record import run_record
+from stapo_megatron.trainer.update import PolicyUpdater
 
 logger = logging.getLogger(__name__)
-
-
-def stop_token_ids(cfg: TrainConfig, tokenizer) -> list[int]:
-    return list(cfg.batch.stop_token_ids) or default_stop_token_ids(tokenizer, cfg.data.chat_template)
 
 
 # The config fields behind the scheduler's state, named when a resume changes them.
@@ -131,17 +120,53 @@ class Trainer:
         # sync is collective); only rank 0 talks to the engine.
         self.engine_released = False  # the engine gave its memory to training
         self.engine_version: int | None = None  # the weights the engine holds; None: none valid yet, or released
-        self.weight_sync: WeightSync | None = None  # every rank's link to the SGLang servers, made at the first sync
         self.release_engine = cfg.rollout.release_memory_between_steps or cfg.compute.offload_while_generating
-        self.skipped_steps = 0
-        self.optimizer_steps = 0
-        self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep_last, self.ctx)
+        self.checkpoints = CheckpointDirectory(self.run_dir, cfg.checkpoint.keep_last)
         # What this run is, for its checkpoints and the resume check; rank 0's (it wrote the tokenizer files).
         self.record = self.ctx.broadcast_object(run_record(cfg, self.tokenizer_dir) if self.rank == 0 else None)
-        self.resume_from = self._resume_point()  # before any weights are built or read
+        # before any weights are built or read
+        self.resume_from = resume_point(self.ctx, self.checkpoints, cfg.checkpoint.resume, self.record)
+        self._build_policy()
+        self.moved_bytes = {"offload": 0, "reload": 0}  # this step's, for its row
+        self.step = 0
+        self.updater = PolicyUpdater(
+            self.model,
+            self.optimizer,
+            cfg,
+            self.arch,
+            self.ctx,
+            reference=self.reference,
+            inspector=SpuriousTokenDump(self.run_dir, self.tokenizer, cfg.logging.inspect_context_tokens, self.ctx),
+        )
+        self.saved_sampler: dict | None = None  # the sampler position a resume restores
+        self.checkpointer = Checkpointer(
+            self.checkpoints,
+            self.ctx,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            progress=self,
+            record=self.record,
+            arch=self.arch,
+            params_dtype=self.params_dtype,
+            assets=hf_assets(self.tokenizer_dir) if self.tokenizer_dir else None,
+        )
+        self._resume()
+        # Started by train(); rank 0's beats reach every rank through the job's store.
+        self.heartbeat = Heartbeat(cfg.run.hang_timeout_s, self.rank, saved_step=self.step, store=job_store())
+        self.rollouts = self._start_rollouts(self.saved_sampler)
+        self._install_signal_handlers()
 
+    # ---- set-up -----------------------------------------------------------------------------
+
+    def _build_policy(self) -> None:
+        """The policy this rank trains: its stage of the model with the initial weights, the KL
+        penalty's reference (a copy of those), Megatron's DDP wrapper, the optimizer and its
+        schedule, and the offload of their state while the engine generates."""
+        cfg = self.cfg
         model = build_stage(
             self.arch,
+            self.ctx,
             params_dtype=self.params_dtype,
             recompute=cfg.compute.recompute,
             sequence_parallel=cfg.parallel.sequence_parallel,
@@ -154,6 +179,7 @@ class Trainer:
             ReferenceModel(
                 model,
                 self.arch,
+                self.ctx,
                 params_dtype=self.params_dtype,
                 sequence_parallel=cfg.parallel.sequence_parallel,
                 device=self.device,
@@ -173,42 +199,16 @@ class Trainer:
             if cfg.compute.offload_while_generating
             else None
         )
-        self.moved_bytes = {"offload": 0, "reload": 0}  # this step's, for its row
-        self.step = 0
-        progress = self._resume()
-        # Started by train(); rank 0's beats reach every rank through the job's store.
-        self.heartbeat = Heartbeat(cfg.run.hang_timeout_s, self.rank, saved_step=self.step, store=job_store())
 
-        self.updater = PolicyUpdater(self.model, self.optimizer, cfg, self.arch, self.ctx, reference=self.reference)
-        self.inspector = SpuriousTokenDump(self.run_dir, self.tokenizer, cfg.logging.inspect_context_tokens, self.ctx)
+    def _start_rollouts(self, sampler_state: dict | None) -> RolloutController:
+        """The rollout side, its sampler resumed at ``sampler_state``. Colocated servers size their KV
+        cache from the memory free when they start: with offload, the trainer's state waits in host
+        memory on every rank before any server launches."""
         if self.offload is not None:
-            # Colocated servers size their KV cache from the memory free when they start: the
-            # trainer's state waits in host memory on every rank before any server launches.
             self.offload.offload(OPTIMIZER)
             self.offload.offload(PARAMS)
             dist.barrier(group=self.ctx.cpu_group)
-        from stapo_megatron.rollout.factory import start_rollout_servers
-
-        # Every rank: node leaders launch their node's SGLang servers; all ranks learn every endpoint.
-        self.rollout_servers = start_rollout_servers(self.ctx, cfg.rollout, cfg.checkpoint.load_hf, self.run_dir)
-        # The rollout side lives on rank 0 alone; every other rank holds None (see _on_controller).
-        self.controller = (
-            RolloutController.build(
-                cfg,
-                self.tokenizer,
-                self.arch,
-                self.device,
-                self.rollout_servers,
-                stop_token_ids(cfg, self.tokenizer),
-                progress,
-                self.step,
-            )
-            if self.rank == 0
-            else None
-        )
-        self._install_signal_handlers()
-
-    # ---- set-up -----------------------------------------------------------------------------
+        return RolloutController.start(self.cfg, self.ctx, self.tokenizer, self.heartbeat, sampler_state, self.step)
 
     def _tokenizer_files(self) -> str:
         """The directory whose tokenizer files every checkpoint carries in its hf_assets/ ('': none):
@@ -225,9 +225,9 @@ class Trainer:
         """Weights before any training: a Hugging Face or Megatron checkpoint, or the seeded init."""
         ckpt = self.cfg.checkpoint
         if ckpt.load_hf:
-            fill_from_hf(model, self.arch, HFCheckpoint(ckpt.load_hf))
+            fill_from_hf(model, self.arch, HFCheckpoint(ckpt.load_hf), self.ctx)
         elif ckpt.load_megatron:
-            load_model(model, ckpt.load_megatron)
+            load_model(model, ckpt.load_megatron, self.ctx)
 
     def _wrap_ddp(self, model):
         from megatron.core.distributed import (
@@ -270,38 +270,24 @@ class Trainer:
         )
         return optimizer, build_scheduler(optimizer, self.cfg, report=self.rank == 0)
 
-    def _resume_point(self) -> tuple[Path, ResumePlan] | None:
-        """The checkpoint to resume and what the resume changes, decided before the model is built:
-        the run directory's files checked, the newest intact checkpoint chosen and its record
-        compared with this run's. A refusal is one line, raised on every rank alike."""
-        decided_on_rank0(self.ctx, lambda: check_run_files(self.run_dir))
-        mode = self.cfg.checkpoint.resume
-        latest = self.checkpointer.latest_intact() if mode != "never" else None
-        if latest is None:
-            if mode == "required":
-                raise ConfigError(f"checkpoint.resume=required but {self.checkpointer.root} has no complete checkpoint")
-            return None
-        plan = decided_on_rank0(
-            self.ctx, lambda: plan_resume(latest, self.checkpointer.read_common(latest), self.record)
-        )
-        if self.rank == 0:
-            for change in plan.changes:
-                logger.warning("%s", change)
-        return latest, plan
-
-    def _resume(self) -> dict:
+    def _resume(self) -> None:
         if self.resume_from is None:
-            return {}
-        latest, plan = self.resume_from
-        progress = self.checkpointer.load(latest, self.model, self.optimizer, self.scheduler)
-        if plan.fresh_sampler:  # the saved position belongs to the old prompt order
-            progress = {key: value for key, value in progress.items() if key != "sampler"}
-        self.step = progress["step"]
-        self.skipped_steps = progress.get("skipped_steps", 0)
-        self.optimizer_steps = progress.get("optimizer_steps", 0)
+            return
+        self.checkpointer.load(self.resume_from.checkpoint, verified=True)  # resume_point verified it
+        if self.resume_from.plan.fresh_sampler:  # the saved position belongs to the old prompt order
+            self.saved_sampler = None
         if self.rank == 0:
-            logger.info("resumed from %s (step %d)", latest, self.step)
-        return progress
+            logger.info("resumed from %s (step %d)", self.resume_from.checkpoint, self.step)
+
+    def state_dict(self) -> dict:
+        """A checkpoint's progress (the checkpointer saves the trainer as a Stateful): the step, the
+        updater's outcome counts and the sampler's position, the same on every rank."""
+        return {"step": self.step, **self.updater.state_dict(), "sampler": self.rollouts.sampler_state()}
+
+    def load_state_dict(self, progress: dict) -> None:
+        self.step = progress["step"]
+        self.updater.load_state_dict(progress)
+        self.saved_sampler = progress.get("sampler")
 
     def _install_signal_handlers(self) -> None:
         def request_stop(signum, frame):
@@ -327,18 +313,18 @@ class Trainer:
                 step = self.step + 1
                 batch, metrics = self.collect_rollouts(step, timer)
                 if len(batch):
-                    metrics.update(self.update_policy(batch, step, timer))
+                    metrics.update(self.updater.train_step(batch, step, timer))
                 else:
                     logger.info("step %d: every group was filtered out; no update", step)
                 with timer("update"):
                     self.scheduler.step(increment=1)  # once per training step, update or not (see build_scheduler)
                 if self.cfg.eval.every and step % self.cfg.eval.every == 0:
                     self.ready_to_generate(version=step, timer=timer)
-                    metrics.update(self.evaluate(step, timer))
+                    metrics.update(self.rollouts.evaluate(step, timer))
                 self.step = step
                 after_row = self._log(step, metrics, timer, batch, heartbeat)
                 with after_row("stop_agreement"):
-                    stop = self._agree_to_stop()
+                    stop = self.rollouts.agree_to_stop(self.stop_requested)
                 if (
                     stop
                     or step == self.cfg.run.steps
@@ -356,15 +342,10 @@ class Trainer:
 
     def collect_rollouts(self, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict]:
         self.ready_to_generate(version=self.step, timer=timer)
-
-        def collect(controller: RolloutController) -> tuple[RolloutBatch, dict]:
-            with timer("rollout"):  # sampling bookkeeping; generation and rewards time themselves inside
-                return controller.collect(step, timer)
-
-        batch, metrics = self._alone_on_controller(collect, (None, {}), "rollout", step, timer)
-        self.ready_to_train(timer)
+        batch, metrics = self.rollouts.collect(step, timer)
+        self.ready_to_train(timer)  # the engine's memory back to training before the batch reaches the GPU
         with timer("broadcast"):
-            return broadcast_rollouts(self.ctx, batch), metrics
+            return self.rollouts.broadcast(batch), metrics
 
     # ---- who holds the GPU: the engine while generating, the trainer while training ---------
 
@@ -381,14 +362,14 @@ class Trainer:
                     dist.barrier(group=self.ctx.cpu_group)
         if self.engine_released:
             with timer("resume"):
-                self._on_controller(RolloutController.resume_engine)
+                self.rollouts.resume_engine()
             self.engine_released = False
         if self.engine_version != version:
             if self.offload is not None and self.offload.offloaded(PARAMS):  # offloaded before the servers launched
                 with timer("reload"):
                     self.moved_bytes["reload"] += self.offload.reload(PARAMS)
             with timer("sync"):
-                self.sync_weights(version=version)
+                self.rollouts.sync_weights(self.model, version)
             self.engine_version = version
         if self.offload is not None:
             with timer("offload"):
@@ -399,88 +380,12 @@ class Trainer:
         SGLang's are garbage after a resume without a CPU backup), then the trainer reloads."""
         if self.release_engine and not self.engine_released:
             with timer("release"):
-                self._on_controller(RolloutController.release_engine)
+                self.rollouts.release_engine()
             self.engine_released, self.engine_version = True, None
         if self.offload is not None and (self.offload.offloaded(OPTIMIZER) or self.offload.offloaded(PARAMS)):
             with timer("reload"):
                 dist.barrier(group=self.ctx.cpu_group)  # no rank reloads into memory rank 0's engine still holds
                 self.moved_bytes["reload"] += self.offload.reload()
-
-    def update_policy(self, batch: RolloutBatch, step: int, timer: PhaseTimer) -> dict:
-        def count_skipped(result) -> None:
-            if result.skipped:
-                self.skipped_steps += 1
-                if self.rank == 0:  # every rank skips it: said once (the console shows every rank's warnings)
-                    logger.warning(
-                        "step %d: non-finite loss or gradient, optimizer step skipped (%d so far)",
-                        step,
-                        self.skipped_steps,
-                    )
-                if self.skipped_steps > self.cfg.faults.max_skipped_steps:
-                    raise RuntimeError(
-                        f"{self.skipped_steps} optimizer steps skipped for non-finite values, more than "
-                        f"faults.max_skipped_steps={self.cfg.faults.max_skipped_steps}"
-                    )
-            else:
-                self.optimizer_steps += 1
-
-        with timer("update"):  # micro-batch building and metrics; the passes time themselves inside
-            done = self.updater.update_step(batch, timer, on_result=count_skipped, step=step)
-        if self.cfg.logging.inspect_every and step % self.cfg.logging.inspect_every == 0:
-            with timer("inspect"):
-                self.inspector.dump(
-                    step, done.microbatches, done.decided_on, [r.selections for r in done.results], batch
-                )
-        metrics = done.metrics
-        metrics.update(combine_steps([r.metrics for r in done.results]))
-        metrics["optim/skipped_steps"] = float(self.skipped_steps)
-        return metrics
-
-    def sync_weights(self, version: int) -> None:
-        """Every rank sends its own share of the weights: straight to the SGLang servers, or to rank 0's
-        in-process engine (collective; see rollout/weight_sync/session.py)."""
-        from stapo_megatron.rollout.weight_sync.session import sync_engine_weights
-
-        engine = self._on_controller(lambda controller: controller.engine)
-        self.weight_sync = sync_engine_weights(self.ctx, self.model, self.arch, engine, version, self.weight_sync)
-
-    def evaluate(self, step: int, timer: PhaseTimer) -> dict:
-        def run(controller: RolloutController) -> dict:
-            with timer("eval"):
-                return controller.evaluate(step)
-
-        return self._alone_on_controller(run, {}, "eval", step, timer)
-
-    def save(self) -> None:
-        progress = self._on_controller(
-            lambda controller: {
-                "step": self.step,
-                "skipped_steps": self.skipped_steps,
-                "optimizer_steps": self.optimizer_steps,
-                "sampler": controller.sampler_state(),
-            }
-        )
-        # The sampler lives on rank 0; every rank must hand dist_checkpointing the same common state.
-        progress = self.ctx.broadcast_object(progress, src=0)
-        assets = hf_assets(self.tokenizer_dir) if self.tokenizer_dir else None
-        self.checkpointer.save(
-            self.step,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            progress,
-            self.arch,
-            self.params_dtype,
-            assets,
-            record=self.record,
-        )
-
-    def _agree_to_stop(self) -> bool:
-        requested = self.stop_requested or self._on_controller(RolloutController.stop_file_present, default=False)
-        stop = self.ctx.any_rank(requested)
-        if stop:
-            self._on_controller(RolloutController.remove_stop_file)
-        return stop
 
     def _checkpoint(self, step: int, timer: PhaseTimer, heartbeat: Heartbeat) -> None:
         """Save ``step``. It runs after the step's row is written (a resume from it must find that
@@ -488,7 +393,7 @@ class Trainer:
         if self.offload is not None:
             self.ready_to_train(timer)
         with timer("checkpoint"):
-            self.save()
+            self.checkpointer.save(step)
         heartbeat.saved(step)
 
     def _log(
@@ -496,47 +401,20 @@ class Trainer:
     ) -> PhaseTimer:
         """Write the step's row; returns a timer started where this step's time ends, for what runs
         after the row (writing it is the first of those)."""
-        with timer("logging"):
-            metrics = merge_reporter_metrics(self.ctx, metrics)
         step_seconds = timer.stop()
         following = heartbeat.timer(step).follow(timer)
 
-        def write_row(controller: RolloutController) -> None:
-            with following("logging"):
-                metrics.update(timer.metrics())
-                tokens = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
-                metrics["throughput/tokens_per_s"] = tokens / step_seconds if step_seconds > 0 else 0.0
-                metrics["optim/optimizer_steps"] = float(self.optimizer_steps)
-                if self.offload is not None:  # rank 0's own bytes (ranks of other pipeline stages differ)
-                    metrics["memory/offloaded_gb"] = self.moved_bytes["offload"] / 1e9
-                    metrics["memory/reloaded_gb"] = self.moved_bytes["reload"] / 1e9
-                controller.log(step, metrics)
-
-        self._on_controller(write_row)
+        with following("logging"):
+            metrics.update(timer.metrics())
+            tokens = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
+            metrics["throughput/tokens_per_s"] = tokens / step_seconds if step_seconds > 0 else 0.0
+            metrics["optim/optimizer_steps"] = float(self.updater.optimizer_steps)
+            if self.offload is not None:  # rank 0's own bytes (ranks of other pipeline stages differ)
+                metrics["memory/offloaded_gb"] = self.moved_bytes["offload"] / 1e9
+                metrics["memory/reloaded_gb"] = self.moved_bytes["reload"] / 1e9
+            self.rollouts.write_row(step, metrics)  # to rank 0's sinks; the other ranks write nothing
         self.moved_bytes = dict.fromkeys(self.moved_bytes, 0)
         return following
 
-    def _alone_on_controller(
-        self, action: Callable[[RolloutController], Any], default: Any, phase: str, step: int, timer: PhaseTimer
-    ) -> Any:
-        """``action(controller)`` on rank 0 while every other rank waits for it in a barrier (``default``
-        there). Rollouts and evaluation may outlast run.hang_timeout_s: rank 0 beats through them (their
-        requests and rewards have time limits of their own) and the waiting ranks beat whenever rank 0
-        does: a long rollout ends no rank, and a lost or frozen rank 0 still ends those waiting for it."""
-        with self.heartbeat.keep_alive() if self.controller is not None else contextlib.nullcontext():
-            result = self._on_controller(action, default)
-        with timer(phase), self.heartbeat.following_rank0(phase, step):
-            dist.barrier(group=self.ctx.cpu_group)
-        return result
-
-    def _on_controller(self, action, default=None):
-        """``action(controller)`` on the controller rank (rank 0, which alone holds the rollout side);
-        ``default`` on every other rank."""
-        return action(self.controller) if self.controller is not None else default
-
     def close(self) -> None:
-        self._on_controller(RolloutController.close)
-        if self.weight_sync is not None:
-            self.weight_sync.close()
-        if self.rollout_servers is not None:
-            self.rollout_servers.shutdown()  # this node's servers, on its leader
+        self.rollouts.close()

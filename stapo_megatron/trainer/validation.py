@@ -128,8 +128,8 @@ def check_train_config(cfg: TrainConfig, files: bool = True) -> None:
     if files:
         _check_initial_weights(cfg)
         if cfg.checkpoint.resume == "required":
-            from stapo_megatron.trainer.checkpointing import Checkpointer
+            from stapo_megatron.trainer.checkpoint_directory import CheckpointDirectory
 
-            checkpointer = Checkpointer(cfg.run.directory, cfg.checkpoint.keep_last)
-            if checkpointer.latest() is None:
-                raise ConfigError(f"checkpoint.resume: required, but {checkpointer.root} holds no complete checkpoint")
+            checkpoints = CheckpointDirectory(cfg.run.directory, cfg.checkpoint.keep_last)
+            if checkpoints.latest() is None:
+                raise ConfigError(f"checkpoint.resume: required, but {checkpoints.root} holds no complete checkpoint")

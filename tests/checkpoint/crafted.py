@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from stapo_megatron.checkpoint.dist import COMPLETE_MARKER
 from stapo_megatron.checkpoint.integrity import HASH, file_digest, list_files
+from stapo_megatron.checkpoint.marker import COMPLETE_MARKER
 
 
 class Touch:

@@ -187,24 +187,21 @@ def test_overwrite_of_a_megatron_checkpoint_only_for_a_converted_one(checkpoint,
 def _save_into_a_foreign_staging_directory(root: str, out: str) -> None:
     """Two gloo ranks save a checkpoint whose staging name a user's directory holds: rank 0 refuses
     to remove it. Without the refusal shared, rank 1 waits for rank 0 at the next collective."""
-    import datetime
-
-    import torch.distributed as dist
-
     from stapo_megatron.checkpoint.dist import save_dist
     from stapo_megatron.config import ConfigError
+    from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed, shutdown_distributed
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    ctx = init_distributed(ParallelConfig(data_parallel=2, timeout_minutes=1))
     try:
         try:
-            save_dist({}, Path(root) / "iter_0000001")
+            save_dist({}, Path(root) / "iter_0000001", ctx)
             message = "saved"
         except ConfigError as err:
             message = str(err)
-        with open(f"{out}.{dist.get_rank()}", "w") as f:
+        with open(f"{out}.{ctx.rank}", "w") as f:
             f.write(message)
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed()
 
 
 def test_a_refused_staging_leftover_is_refused_on_every_rank(tmp_path):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from stapo_megatron.checkpoint import safe_load
+from stapo_megatron.checkpoint import dcp_index, index_unpickler
 from stapo_megatron.checkpoint.convert import convert_megatron_to_hf, read_meta
 from stapo_megatron.checkpoint.dist import common_field
 from stapo_megatron.config import ConfigError
@@ -130,7 +130,7 @@ def test_an_index_inconsistent_with_itself_or_its_files_is_refused(checkpoint, k
     edit, message = INDEX_DAMAGE[kind]
     _edit_index(checkpoint, edit)
     with pytest.raises(ConfigError, match=message) as err:
-        safe_load.read_dcp_metadata(checkpoint / ".metadata")
+        dcp_index.read_dcp_metadata(checkpoint / ".metadata")
     assert _one_line(err).startswith(str(checkpoint))
 
 
@@ -166,7 +166,7 @@ def test_the_cover_check_agrees_with_counting_every_element():
             start = tuple(rng.randrange(0, n) for n in shape)
             boxes.append((start, tuple(rng.randint(s + 1, n) for s, n in zip(start, shape))))
         tiles = _brute_force_tiles(boxes, shape)
-        assert (safe_load.tiling_error(boxes, shape) is None) == tiles, (shape, boxes)
+        assert (dcp_index.tiling_error(boxes, shape) is None) == tiles, (shape, boxes)
         verdicts.add(tiles)
     assert verdicts == {True, False}
 
@@ -178,12 +178,12 @@ def test_the_cover_check_is_cheap_for_real_layouts_and_bounded_for_others():
     grid = [
         ((i, e, r * width), (i + 1, e + 1, (r + 1) * width)) for i in range(94) for e in range(128) for r in range(8)
     ]
-    assert safe_load.tiling_error(grid, shape) is None
-    assert "overlap at element [93, 127, 7000000000]" in str(safe_load.tiling_error(grid + [grid[-1]], shape))
+    assert dcp_index.tiling_error(grid, shape) is None
+    assert "overlap at element [93, 127, 7000000000]" in str(dcp_index.tiling_error(grid + [grid[-1]], shape))
     # a valid cover no writer makes, crafted to make a sweep quadratic: refused in bounded time
     n = 3000
     odd = [((0, j), (n, j + 1)) for j in range(n)] + [((i, n), (i + 1, n + 1)) for i in range(n)]
-    assert "too irregularly to check" in safe_load.tiling_error(odd, (n, n + 1))
+    assert "too irregularly to check" in dcp_index.tiling_error(odd, (n, n + 1))
 
 
 # ---- the restricted unpickler: no BUILD on what it did not make ---------------------------------
@@ -225,7 +225,7 @@ def _build_on_global(module: str, name: str) -> bytes:
 
 
 def test_build_on_an_admitted_class_is_refused_and_changes_nothing(tmp_path):
-    assert {(m, n) for m, n in ADMITTED} == safe_load.METADATA_GLOBALS
+    assert {(m, n) for m, n in ADMITTED} == index_unpickler.METADATA_GLOBALS
     index = tmp_path / ".metadata"
     changed, messages = [], {}
     for module, name in ADMITTED:
@@ -233,7 +233,7 @@ def test_build_on_an_admitted_class_is_refused_and_changes_nothing(tmp_path):
         before = dict(vars(target))
         index.write_bytes(_build_on_global(module, name))
         try:
-            safe_load.read_dcp_metadata(index)
+            dcp_index.read_dcp_metadata(index)
         except ConfigError as err:
             messages[name] = str(err)
         finally:
@@ -248,7 +248,7 @@ def test_build_on_an_admitted_class_is_refused_and_changes_nothing(tmp_path):
 
 def test_what_a_real_index_holds_is_all_admitted(trained_run):
     # every opcode, name and use of it in a checkpoint this project writes loads (the list above is complete)
-    metadata = safe_load.read_dcp_metadata(trained_run / "checkpoints" / "iter_0000002" / ".metadata")
+    metadata = dcp_index.read_dcp_metadata(trained_run / "checkpoints" / "iter_0000002" / ".metadata")
     assert len(metadata.all_local_plans) == 2  # Megatron's save plans, one per rank
 
 

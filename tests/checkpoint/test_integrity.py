@@ -11,8 +11,8 @@ import subprocess
 import pytest
 
 from stapo_megatron.checkpoint.convert import convert_hf_to_megatron, convert_megatron_to_hf
-from stapo_megatron.checkpoint.dist import COMPLETE_MARKER
 from stapo_megatron.checkpoint.integrity import HASH, assign_shares, file_digest, list_files, verify_checkpoint
+from stapo_megatron.checkpoint.marker import COMPLETE_MARKER
 from stapo_megatron.config import ConfigError
 from tests.checkpoint.crafted import flip_byte
 from tests.helpers import save_tiny_qwen3

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from stapo_megatron.checkpoint import safe_load
+from stapo_megatron.checkpoint import dcp_index, index_unpickler, safe_load
 from stapo_megatron.checkpoint.convert import convert_megatron_to_hf, read_meta
 from stapo_megatron.checkpoint.dist import load_common
 from stapo_megatron.config import ConfigError
@@ -50,8 +50,8 @@ def test_the_real_index_loads_with_only_the_admitted_classes(trained_run):
     with open(directory / ".metadata", "rb") as f:
         Recording(f).load()
     dtypes = {(m, n) for m, n in seen if m == "torch" and isinstance(getattr(torch, n), torch.dtype)}
-    assert seen - dtypes <= safe_load.METADATA_GLOBALS
-    metadata = safe_load.read_dcp_metadata(directory / ".metadata")
+    assert seen - dtypes <= index_unpickler.METADATA_GLOBALS
+    metadata = dcp_index.read_dcp_metadata(directory / ".metadata")
     assert metadata.state_dict_metadata.keys() == read_metadata(directory).state_dict_metadata.keys()
 
 
@@ -63,7 +63,7 @@ def test_crafted_index_is_refused_in_process(checkpoint, tmp_path, stealth):
     with pytest.raises(
         ConfigError, match=r"\.metadata: refused to load: it refers to (posix\.system|operator\.itemgetter)"
     ) as err:
-        safe_load.read_dcp_metadata(checkpoint / ".metadata")
+        dcp_index.read_dcp_metadata(checkpoint / ".metadata")
     _one_line(err)
     assert not flag.exists()
 
@@ -110,13 +110,13 @@ def test_index_pointing_outside_the_checkpoint_is_refused(checkpoint):
     with pytest.raises(
         ConfigError, match=r"\.metadata: not a valid checkpoint index: .* outside the checkpoint directory"
     ):
-        safe_load.read_dcp_metadata(checkpoint / ".metadata")
+        dcp_index.read_dcp_metadata(checkpoint / ".metadata")
 
 
 def test_garbage_index_is_one_line(checkpoint):
     (checkpoint / ".metadata").write_bytes(b"\x80\x04garbage")
     with pytest.raises(ConfigError, match=r"\.metadata: not a valid checkpoint index") as err:
-        safe_load.read_dcp_metadata(checkpoint / ".metadata")
+        dcp_index.read_dcp_metadata(checkpoint / ".metadata")
     _one_line(err)
 
 

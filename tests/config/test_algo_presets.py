@@ -13,9 +13,10 @@ import torch
 
 from stapo_megatron.config import build, load_config, read_yaml
 from stapo_megatron.experiment.paper import ALGO_DIFFERENCES, OUTSIDE_ALGO_SETTINGS, PAPER_COMPARISON
-from stapo_megatron.loss import AlgoConfig, policy_loss
+from stapo_megatron.loss import AlgoConfig
 from stapo_megatron.trainer.config import TrainConfig
 from tests.helpers import REPO_ROOT
+from tests.loss._loss_call import loss_of
 
 PRESET_DIR = REPO_ROOT / "configs" / "algo"
 FIELDS = [f.name for f in dataclasses.fields(AlgoConfig) if f.name != "name"]
@@ -110,7 +111,7 @@ def test_grpo_preset_computes_deepseekmaths_objective_without_dual_clip():
 
     def ours(cfg):
         x = lp64.float().requires_grad_()
-        loss_sum, n, metrics = policy_loss(
+        loss_sum, n, metrics = loss_of(
             x,
             old.float(),
             adv[:, 0].float(),

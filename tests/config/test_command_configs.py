@@ -14,8 +14,10 @@ from stapo_megatron.cli import main, parse_args
 from stapo_megatron.config import describe
 from stapo_megatron.eval.cli import load_eval_config
 from stapo_megatron.eval.config import EvalCommandConfig
-from stapo_megatron.launch.plan import PlanConfig, load_plan
-from stapo_megatron.launch.submit import SubmitConfig, options_from_args, prepare
+from stapo_megatron.launch.plan_command import load_plan
+from stapo_megatron.launch.plan_config import PlanConfig
+from stapo_megatron.launch.submission import SubmitConfig, prepare
+from stapo_megatron.launch.submit import options_from_args
 from stapo_megatron.trainer.config import TrainConfig
 from stapo_megatron.trainer.launcher import default_config_path
 from tests.helpers import save_tiny_qwen3

@@ -68,10 +68,10 @@ META_LAYOUTS = {
 }
 
 
-def _init(tp: int, pp: int, dp: int) -> None:
+def _init(tp: int, pp: int, dp: int):
     from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
 
-    init_distributed(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp), seed=0)
+    return init_distributed(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp), seed=0)
 
 
 def measure_all(out: str) -> None:
@@ -86,8 +86,9 @@ def measure_all(out: str) -> None:
     result: dict = {"activations": [], "optimizer": [], "real_meta": []}
     world = 2
     for tp, recompute, sp in ACT_CASES:
-        _init(tp, 1, world // tp)
+        ctx = _init(tp, 1, world // tp)
         peak = activation_peak(
+            ctx,
             ACT_ARCH,
             seq_len=ACT_SEQ,
             micro_batch=ACT_BATCH,
@@ -98,15 +99,15 @@ def measure_all(out: str) -> None:
         )
         result["activations"].append({"tp": tp, "recompute": recompute, "sequence_parallel": sp, "peak": peak})
     for tp, pp, dp, dtype in OPT_CASES:
-        _init(tp, pp, dp)
-        found = optimizer_footprint(OPT_ARCH, params_dtype=getattr(torch, dtype))
+        ctx = _init(tp, pp, dp)
+        found = optimizer_footprint(ctx, OPT_ARCH, params_dtype=getattr(torch, dtype))
         found.update(
             tp=tp,
             pp=pp,
             dp=dp,
             dtype=dtype,
-            stage=ps.get_pipeline_model_parallel_rank(),
-            dp_rank=ps.get_data_parallel_rank(),
+            stage=ctx.pp_rank,
+            dp_rank=ctx.dp_rank,
         )
         result["optimizer"].append(found)
     for preset, tp, pp in REAL_META_CASES:

@@ -16,7 +16,7 @@ from stapo_megatron.cli import main
 from stapo_megatron.config import ConfigError, build, load_config
 from stapo_megatron.launch import layout as layout_check
 from stapo_megatron.launch.layout import Machines, MemoryModel, check_layout, check_routes, check_train_layout
-from stapo_megatron.launch.plan import PlanConfig, memory_model
+from stapo_megatron.launch.plan_config import PlanConfig, memory_model
 from stapo_megatron.models.qwen3.config import Qwen3Config
 from stapo_megatron.rollout.config import SGLangConfig
 from stapo_megatron.rollout.weight_sync.routes import Route

@@ -10,6 +10,7 @@ from stapo_megatron.cli import main
 from stapo_megatron.config import ConfigError, build, load_config
 from stapo_megatron.launch import plan
 from stapo_megatron.launch.plan import Layout, Workload
+from stapo_megatron.launch.plan_command import format_stages
 from stapo_megatron.models.qwen3.config import Qwen3Config
 from stapo_megatron.runtime.launch import spawn_ranks
 from stapo_megatron.trainer.config import TrainConfig
@@ -245,7 +246,7 @@ def test_example_configs_fit_80_gb(size):
         sglang_released=offload or cfg.rollout.release_memory_between_steps,
         offload=offload,
     )
-    assert est.fits, plan.format_stages(est)
+    assert est.fits, format_stages(est)
 
 
 def test_estimate_rejects_unbuildable_layouts():

@@ -30,7 +30,7 @@ from stapo_megatron.launch.requeue import (
     run_dir_for_batch_shell,
     time_limit_seconds,
 )
-from stapo_megatron.launch.submit import SubmitOptions, check_options, signal_lead_s
+from stapo_megatron.launch.submission import SubmitOptions, check_options, signal_lead_s
 from tests.launch.test_submit import run_cli, sbatch_flags
 
 

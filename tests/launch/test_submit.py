@@ -236,7 +236,7 @@ def test_local_dryrun_writes_the_resolved_config_and_runs_stapo_train(nemorun_ho
 
 
 def test_resolved_config_round_trips_and_the_packager_writes_it(tmp_path):
-    from stapo_megatron.launch.submit import SubmitOptions, prepare
+    from stapo_megatron.launch.submission import SubmitOptions, prepare
 
     pytest.importorskip("nemo_run", reason="NeMo-Run is not importable: pip install -e '.[launch]'")
     from stapo_megatron.launch.nemo import CONFIG_NAME, ResolvedConfigPackager
@@ -402,7 +402,7 @@ def test_status_lists_nothing_in_an_empty_home(nemorun_home, capsys):
 
 
 def test_prepare_needs_no_nemo_run(monkeypatch):
-    from stapo_megatron.launch.submit import SubmitOptions, prepare
+    from stapo_megatron.launch.submission import SubmitOptions, prepare
 
     monkeypatch.setitem(sys.modules, "nemo_run", None)
     sub = prepare(SubmitOptions(config=None, overrides=[], account="a", nodes=1, gpus_per_node=2))
@@ -414,8 +414,8 @@ def test_prepare_needs_no_nemo_run(monkeypatch):
 def test_every_numeric_flag_of_submit_and_plan_is_bounded_both_ways():
     """A count with no upper bound reaches a script or a planner as it is (--max-requeues 10**26)."""
     from stapo_megatron.config.core import describe
-    from stapo_megatron.launch.plan import PlanConfig
-    from stapo_megatron.launch.submit import SubmitConfig
+    from stapo_megatron.launch.plan_config import PlanConfig
+    from stapo_megatron.launch.submission import SubmitConfig
 
     for section in (SubmitConfig, PlanConfig):
         for name, type_name, _, _ in describe(section):

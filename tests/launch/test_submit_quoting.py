@@ -143,7 +143,7 @@ SECRETS = ["rollout.sglang.api_key=s3cret-api-key", "rollout.sglang.env={HF_TOKE
 def test_submitted_config_keeps_secrets_in_a_private_file_and_a_dry_run_hides_them(tmp_path):
     pytest.importorskip("nemo_run", reason="NeMo-Run is not importable: pip install -e '.[launch]'")
     from stapo_megatron.launch.nemo import CONFIG_NAME, ResolvedConfigPackager
-    from stapo_megatron.launch.submit import SubmitOptions, prepare
+    from stapo_megatron.launch.submission import SubmitOptions, prepare
 
     options = dict(config=None, overrides=SECRETS, account="a", gpus_per_node=0, procs_per_node=2)
     shown = yaml.safe_load(prepare(SubmitOptions(**options, dryrun=True)).config_yaml)["rollout"]["sglang"]

@@ -114,10 +114,10 @@ def tp2_ablation_selection_and_loss_equal_tp1_and_fp64(ctx):
     from stapo_megatron.loss import (
         TokenStats,
         minibatch_threshold,
-        policy_loss,
         select_tokens,
         vocab_parallel_logprob_entropy,
     )
+    from tests.loss._loss_call import loss_of
     from tests.loss._reference import reference_logprob_entropy
 
     batches = _logit_batches(micro=3, rows=4, cols=16, seed=11)
@@ -152,7 +152,7 @@ def tp2_ablation_selection_and_loss_equal_tp1_and_fp64(ctx):
                 for (_, lp), s, b in zip(leaves, stats, batches):
                     keep = select_tokens(cfg, s, threshold).keep
                     keeps.append(keep)
-                    loss_sum, n, _ = policy_loss(
+                    loss_sum, n, _ = loss_of(
                         lp, lp.detach() + b["noise"], b["advantages"], keep, response_mask=b["response_mask"]
                     )
                     loss, count = loss + loss_sum, count + int(n)

@@ -2,7 +2,7 @@
 tests (test_diagnostics.py) and the 2-rank workers (_diagnostics_workers.py).
 
 The reference is plain torch on the whole vocabulary in fp64: log_softmax, the real
-``policy_loss`` on those log-probs, and autograd of the summed loss down to the logits, whose
+:class:`PolicyLoss` on those log-probs, and autograd of the summed loss down to the logits, whose
 row norms are the per-token gradient norms ||d loss_sum / dz_t|| (z = logits / temperature).
 """
 
@@ -51,12 +51,12 @@ def old_logprob(c: dict, vocab: int, temperature: float) -> torch.Tensor:
 def reference_positive_tokens(c: dict, vocab: int, temperature: float, aggregation: str) -> dict:
     """fp64 per positive-advantage token: log p, entropy, sum_v p_v^2, w = d loss_sum / d log p and
     the gradient norm of the summed loss w.r.t. z_t by autograd down to the logits."""
-    from stapo_megatron.loss import policy_loss
+    from tests.loss._loss_call import loss_of
 
     x = c["logits"].double().requires_grad_()
     lp, ent = reference_logprob_entropy(x, c["targets"], vocab, temperature)
     lp.retain_grad()
-    loss_sum, _, _ = policy_loss(
+    loss_sum, _, _ = loss_of(
         lp,
         old_logprob(c, vocab, temperature),
         c["advantages"].double(),

@@ -85,9 +85,9 @@ def tp2_gradient_norms_and_quadrants_match_fp64_reference(ctx):
     """At TP=2 (vocabulary split), the positive tokens' gradient norms from the real loss equal the
     fp64 autograd reference on the whole vocabulary, and so do the quadrant metrics (one rank's
     micro-batches: no data-parallel group)."""
-    from stapo_megatron.loss import policy_loss
     from stapo_megatron.loss.diagnostics import positive_token_gradients, quadrant_metrics
     from stapo_megatron.loss.logprob_entropy import vocab_parallel_token_statistics
+    from tests.loss._loss_call import loss_of
 
     temperature, tau_p = 0.9, 2e-3
     cases = [case(QWEN3_VOCAB, PADDED, seed=s, rows=5, cols=6) for s in (20, 21)]
@@ -97,7 +97,7 @@ def tp2_gradient_norms_and_quadrants_match_fp64_reference(ctx):
         lp, ent, others = vocab_parallel_token_statistics(
             shard, c["targets"], ctx.tp_group, temperature=temperature, vocab_size=QWEN3_VOCAB
         )
-        loss_sum, _, _ = policy_loss(
+        loss_sum, _, _ = loss_of(
             lp,
             old_logprob(c, QWEN3_VOCAB, temperature).float(),
             c["advantages"],
@@ -116,9 +116,9 @@ def dp2_quadrants_and_entropy_quantiles_equal_single_process(ctx):
     """Over 2 data-parallel ranks holding different micro-batches (and different token counts), the
     quadrant metrics (the median split exact across ranks) and the entropy quantiles equal one
     process holding everything, and the fp64 reference."""
-    from stapo_megatron.loss import policy_loss
     from stapo_megatron.loss.diagnostics import entropy_quantiles, positive_token_gradients, quadrant_metrics
     from stapo_megatron.loss.logprob_entropy import vocab_parallel_token_statistics
+    from tests.loss._loss_call import loss_of
 
     vocab = 1000
     tau_p = 2e-3
@@ -127,7 +127,7 @@ def dp2_quadrants_and_entropy_quantiles_equal_single_process(ctx):
     def positives(c):
         lp, ent, others = vocab_parallel_token_statistics(c["logits"], c["targets"], vocab_size=vocab)
         lp.requires_grad_()
-        loss_sum, _, _ = policy_loss(
+        loss_sum, _, _ = loss_of(
             lp, old_logprob(c, vocab, 1.0).float(), c["advantages"], c["keep"], response_mask=c["mask"]
         )
         return positive_token_gradients(loss_sum, lp, ent, others, c["advantages"], c["mask"]), ent[c["mask"]]

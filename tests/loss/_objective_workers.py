@@ -1,7 +1,7 @@
 """Rank functions for test_objectives.py::test_objectives_tp: 2 gloo ranks form one TP=2 group.
 
 For each objective, each rank computes the log-probs of a packed row from its vocabulary shard
-(the trainer's vocab-parallel path), the objective's token choice and ``policy_loss`` with its
+(the trainer's vocab-parallel path), the objective's token choice and :class:`PolicyLoss` with its
 gradient, and compares them with the other rank (bit-identical) and with TP=1 on the whole
 vocabulary in the same process. Every check runs the same collectives on every rank and records
 its outcome instead of raising, so one failure does not desynchronise the next.
@@ -67,8 +67,9 @@ def _packed_inputs(objective):
 
 def _run(objective, logits, group, inputs):
     """Selection, loss, metrics and the gradient w.r.t. ``logits`` (a shard with ``group``)."""
-    from stapo_megatron.loss import get_objective, policy_loss, token_seed, vocab_parallel_logprob_entropy
+    from stapo_megatron.loss import get_objective, token_seed, vocab_parallel_logprob_entropy
     from stapo_megatron.loss.objectives import SurrogateInputs
+    from tests.loss._loss_call import loss_of
 
     _, targets, segments, mask, advantages, old = inputs
     cfg = _config(objective)
@@ -91,7 +92,7 @@ def _run(objective, logits, group, inputs):
             seed,
         )
     )
-    loss_sum, n, metrics = policy_loss(
+    loss_sum, n, metrics = loss_of(
         logprob,
         old,
         advantages,
@@ -103,7 +104,7 @@ def _run(objective, logits, group, inputs):
         response_mask=mask,
         segment_ids=segments,
         objective=objective,
-        objective_cfg=cfg,
+        cfg=cfg,
         objective_seed=seed,
     )
     loss = loss_sum / n

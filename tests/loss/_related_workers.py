@@ -49,10 +49,10 @@ def tp2_stare_selection_and_loss_equal_tp1(ctx):
     from stapo_megatron.loss import (
         TokenStats,
         minibatch_threshold,
-        policy_loss,
         select_tokens,
         vocab_parallel_logprob_entropy,
     )
+    from tests.loss._loss_call import loss_of
 
     batches = _logit_batches()
     local = VOCAB // 2
@@ -75,7 +75,7 @@ def tp2_stare_selection_and_loss_equal_tp1(ctx):
             for (_, lp), s, b in zip(leaves, stats, batches):
                 keep = select_tokens(cfg, s, cuts).keep
                 keeps.append(keep)
-                loss_sum, n, _ = policy_loss(
+                loss_sum, n, _ = loss_of(
                     lp,
                     lp.detach() + b["noise"],
                     b["advantages"],

@@ -249,11 +249,11 @@ def dp_tp_token_mean_gradient_equals_single_process(ctx):
         TokenStats,
         all_reduce_metrics,
         minibatch_threshold,
-        policy_loss,
         reduce_metrics,
         select_tokens,
         vocab_parallel_logprob_entropy,
     )
+    from tests.loss._loss_call import loss_of
 
     vocab = QWEN3_VOCAB
     cfg = AlgoConfig()
@@ -265,7 +265,7 @@ def dp_tp_token_mean_gradient_equals_single_process(ctx):
     lp, ent = vocab_parallel_logprob_entropy(cat["h"] @ w_full, cat["targets"], vocab_size=vocab)
     old_all = lp.detach() + cat["noise"]
     (keep,) = rule_keeps(cfg, [TokenStats(lp.detach(), ent.detach(), cat["advantages"], cat["response_mask"])])
-    ref_sum, ref_n, ref_metrics = policy_loss(
+    ref_sum, ref_n, ref_metrics = loss_of(
         lp, old_all, cat["advantages"], keep, response_mask=cat["response_mask"], entropy=ent.detach()
     )
     (ref_sum / ref_n).backward()
@@ -289,7 +289,7 @@ def dp_tp_token_mean_gradient_equals_single_process(ctx):
         lp, ent, st = stats(i)
         sel = select_tokens(cfg, st, threshold)
         keeps.append(sel.keep)
-        loss_sum, n, metrics = policy_loss(
+        loss_sum, n, metrics = loss_of(
             lp,
             olds[i],
             st.advantages,

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from stapo_megatron.loss import policy_loss, vocab_parallel_logprob_entropy
+from stapo_megatron.loss import vocab_parallel_logprob_entropy
 from stapo_megatron.loss.diagnostics import (
     ENTROPY_QUANTILES,
     entropy_quantiles,
@@ -26,6 +26,7 @@ from tests.loss._diagnostics_cases import (
     reference_positive_tokens,
     reference_quadrants,
 )
+from tests.loss._loss_call import loss_of
 from tests.loss._reference import logits_with_padding, mask_logits, targets_on_every_shard
 
 VOCAB, PADDED = 3001, 3072
@@ -90,7 +91,7 @@ def test_gradient_norms_match_autograd_of_the_loss_in_fp64(aggregation, temperat
     logits = c["logits"].clone().requires_grad_()
     lp, ent, others = vocab_parallel_token_statistics(logits, c["targets"], temperature=temperature, vocab_size=VOCAB)
     assert lp.requires_grad and not ent.requires_grad and not others.requires_grad
-    loss_sum, _, metrics = policy_loss(
+    loss_sum, _, metrics = loss_of(
         lp,
         old_logprob(c, VOCAB, temperature).float(),
         c["advantages"],
@@ -121,7 +122,7 @@ def test_quadrants_match_fp64_reference(tau_h):
     for c in cases:
         lp, ent, others = vocab_parallel_token_statistics(c["logits"], c["targets"], vocab_size=VOCAB)
         lp.requires_grad_()  # the loss's graph from log p on (the model's part is not needed)
-        loss_sum, _, _ = policy_loss(
+        loss_sum, _, _ = loss_of(
             lp, old_logprob(c, VOCAB, temperature).float(), c["advantages"], c["keep"], response_mask=c["mask"]
         )
         tokens.append(positive_token_gradients(loss_sum, lp, ent, others, c["advantages"], c["mask"]))

@@ -9,11 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import stapo_megatron.trainer.controller  # noqa: F401  (declares the rollout metrics)
+import stapo_megatron.trainer.rollout_collector  # noqa: F401  (declares the rollout metrics)
+import stapo_megatron.trainer.step_statistics  # noqa: F401  (declares the step's entropy metrics)
 from stapo_megatron.loss import metrics as M
-from stapo_megatron.loss import policy_loss
 from stapo_megatron.loss.metrics import Reduction, all_reduce_metrics, combine_steps, declare, reduce_metrics
-from stapo_megatron.trainer.update import summarize_loss_metrics
+from stapo_megatron.loss.policy_metrics import summarize_loss_metrics
+from tests.loss._loss_call import loss_of
 
 declare(Reduction.SUM, {"test/count": "a count", "test_raw_sum": "a raw sum"})
 declare(Reduction.MAX, {"test/largest": "a maximum", "test_raw_max": "a raw maximum"})
@@ -108,7 +109,7 @@ def test_all_reduce_sends_one_fp64_vector_per_kind(monkeypatch):
 
 
 def _step(silenced_per_row: list[int], tokens_per_row: int, ratio: float):
-    """One optimizer step's logged metrics through the real path: policy_loss per micro-batch
+    """One optimizer step's logged metrics through the real path: PolicyLoss per micro-batch
     (one row each), reduced, summarized. Row r silences its first ``silenced_per_row[r]`` tokens."""
     rows = len(silenced_per_row)
     keep = torch.ones(rows, tokens_per_row)
@@ -118,7 +119,7 @@ def _step(silenced_per_row: list[int], tokens_per_row: int, ratio: float):
     logprob = old + math.log(ratio)
     advantages = torch.tensor([1.0 if r % 2 == 0 else -1.0 for r in range(rows)])
     raw = [
-        policy_loss(
+        loss_of(
             logprob[r : r + 1],
             old[r : r + 1],
             advantages[r : r + 1],
@@ -155,7 +156,7 @@ def test_two_optimizer_steps_with_different_token_counts_combine_token_weighted(
 
 def test_every_metric_of_the_loss_and_the_update_is_declared():
     logprob = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
-    raw = policy_loss(
+    raw = loss_of(
         logprob,
         logprob - 0.1,
         torch.tensor([1.0]),

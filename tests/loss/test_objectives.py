@@ -16,12 +16,12 @@ from stapo_megatron.config import ConfigError, build
 from stapo_megatron.loss import (
     AlgoConfig,
     get_objective,
-    policy_loss,
     reduce_metrics,
     token_seed,
     zero_advantage_skippable,
 )
 from stapo_megatron.loss.objectives import SurrogateInputs
+from tests.loss._loss_call import loss_of
 
 # ---------------------------------------------------------------------------------------------
 # fp64 references from the papers' definitions
@@ -98,9 +98,9 @@ def _batch(seed=0, rows=6, cols=40, spread=0.3):
 
 
 def _ours(lp, old, adv, mask, cfg, **kw):
-    """policy_loss of the objective in ``cfg`` on fp32 inputs; returns (loss, n, metrics, grad)."""
+    """PolicyLoss of the objective in ``cfg`` on fp32 inputs; returns (loss, n, metrics, grad)."""
     x = lp.float().clone().requires_grad_()
-    loss_sum, n, metrics = policy_loss(
+    loss_sum, n, metrics = loss_of(
         x,
         old.float(),
         adv.float(),
@@ -111,7 +111,7 @@ def _ours(lp, old, adv, mask, cfg, **kw):
         aggregation=cfg.aggregation,
         response_mask=mask,
         objective=cfg.objective,
-        objective_cfg=cfg,
+        cfg=cfg,
         **kw,
     )
     (loss_sum / n).backward()
@@ -132,7 +132,7 @@ def _close(ours, ref, what, tol=2e-6):
 
 
 def _selected(lp, old, adv, mask, cfg, seed=0):
-    """The objective's own token choice on the same inputs policy_loss gets."""
+    """The objective's own token choice on the same inputs PolicyLoss gets."""
     advantages = adv.float()[:, None].expand_as(lp).contiguous()
     log_ratio = torch.where(mask, lp.float() - old.float(), 0.0).clamp(-20, 20)
     return (
@@ -279,7 +279,7 @@ def test_gspo_packed_rows_equal_one_row_per_sequence():
     packed_adv = flat(adv[:, None].expand_as(lp))
     packed_mask = flat(mask)
     x = flat(lp).float().clone().requires_grad_()
-    loss_sum, n, _ = policy_loss(
+    loss_sum, n, _ = loss_of(
         x,
         flat(old).float(),
         packed_adv.float(),
@@ -290,7 +290,7 @@ def test_gspo_packed_rows_equal_one_row_per_sequence():
         response_mask=packed_mask,
         segment_ids=segments,
         objective="gspo",
-        objective_cfg=cfg,
+        cfg=cfg,
     )
     (loss_sum / n).backward()
     assert int(n) == int(row_n) == 6
@@ -301,9 +301,11 @@ def test_gspo_packed_rows_equal_one_row_per_sequence():
 
 
 def test_gspo_needs_rows_or_segments():
+    # the config pairs gspo with seq_mean_token_mean, whose own check comes first in the loss: the objective alone
+    flat = torch.zeros(8)
     with pytest.raises(ValueError, match="^logprob: gspo needs"):
-        policy_loss(
-            torch.zeros(8), torch.zeros(8), torch.ones(8), torch.ones(8), objective="gspo", aggregation="token_mean"
+        get_objective("gspo").surrogate(
+            SurrogateInputs(flat, flat, torch.ones(8), torch.ones(8, dtype=torch.bool), 0.2, 0.28, 3.0, 20.0)
         )
 
 
@@ -325,7 +327,7 @@ def test_skipping_zero_advantage_sequences_is_exact_for_gspo_and_not_for_kl_cov(
     cfg = _gspo_cfg()
     full, _, _, full_grad = _ours(lp, old, adv, mask, cfg)
     x = lp[keep].float().clone().requires_grad_()
-    loss_sum, n, _ = policy_loss(
+    loss_sum, n, _ = loss_of(
         x,
         old[keep].float(),
         adv[keep].float(),
@@ -334,7 +336,7 @@ def test_skipping_zero_advantage_sequences_is_exact_for_gspo_and_not_for_kl_cov(
         eps_high=cfg.eps_high,
         aggregation=cfg.aggregation,
         objective="gspo",
-        objective_cfg=cfg,
+        cfg=cfg,
     )
     (loss_sum / (n + 1)).backward()  # the left-out sequence counts in the denominator, as the trainer adds it
     _close(loss_sum / (n + 1), full, "gspo loss without the A = 0 sequence", tol=1e-6)
@@ -360,15 +362,11 @@ def test_objective_acts_on_the_tokens_the_rule_keeps_and_metrics_reduce():
     keep = mask.clone()
     keep[0, :10] = False  # silenced by a token rule: out of the loss, the covariance and the count
     x = lp.float().clone().requires_grad_()
-    _, n, m1 = policy_loss(
-        x, old.float(), adv.float(), keep.float(), response_mask=mask, objective="kl_cov", objective_cfg=cfg
-    )
+    _, n, m1 = loss_of(x, old.float(), adv.float(), keep.float(), response_mask=mask, objective="kl_cov", cfg=cfg)
     assert int(n) == int(keep.sum())
     ref_loss, top = ref_kl_cov(lp, old, adv[:, None].expand_as(lp), keep, cfg)
     assert not (top & ~keep).any()
-    _, _, m2 = policy_loss(
-        x, old.float(), adv.float(), keep.float(), response_mask=mask, objective="kl_cov", objective_cfg=cfg
-    )
+    _, _, m2 = loss_of(x, old.float(), adv.float(), keep.float(), response_mask=mask, objective="kl_cov", cfg=cfg)
     total = reduce_metrics([m1, m2])
     assert float(total["cov_selected_tokens"]) == 2 * float(top.sum())
 

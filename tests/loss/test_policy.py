@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from stapo_megatron.loss import all_reduce_metrics, k3, policy_loss, reduce_metrics
+from stapo_megatron.loss import all_reduce_metrics, k3, reduce_metrics
+from tests.loss._loss_call import loss_of
 
 
 def _case():
@@ -23,9 +24,7 @@ def _case():
 
 def test_clip_higher_values_and_gradients():
     logprob, old, adv, keep = _case()
-    loss_sum, n, metrics = policy_loss(
-        logprob, old, adv, keep, eps_low=0.2, eps_high=0.28, response_mask=torch.ones(1, 5)
-    )
+    loss_sum, n, metrics = loss_of(logprob, old, adv, keep, eps_low=0.2, eps_high=0.28, response_mask=torch.ones(1, 5))
     # per token: -min(rA, clip(r)A)
     expected = [-(1.28 * 2.0), -(0.8 * -1.0), -(1.1 * 2.0), -(0.9 * -1.0)]
     assert math.isclose(loss_sum.item(), sum(expected), rel_tol=1e-6)
@@ -51,9 +50,7 @@ def test_padding_garbage_never_reaches_loss_or_gradient():
     logprob = torch.tensor([[-1.0, float("nan"), 50.0, -float("inf")]], requires_grad=True)
     old = torch.tensor([[-1.2, 0.0, -50.0, 0.0]])
     keep = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
-    loss_sum, n, metrics = policy_loss(
-        logprob, old, torch.tensor([1.0]), keep, response_mask=torch.tensor([[1, 1, 1, 0]])
-    )
+    loss_sum, n, metrics = loss_of(logprob, old, torch.tensor([1.0]), keep, response_mask=torch.tensor([[1, 1, 1, 0]]))
     loss_sum.backward()
     assert torch.isfinite(loss_sum) and torch.isfinite(logprob.grad).all()
     assert logprob.grad[0, 1:].abs().sum() == 0
@@ -65,16 +62,16 @@ def test_seq_mean_token_mean():
     logprob = torch.zeros(3, 4, requires_grad=True)  # ratio 1: loss per token = -A
     adv = torch.tensor([1.0, 2.0, 3.0])
     keep = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.float32)
-    loss_sum, n, metrics = policy_loss(logprob, torch.zeros(3, 4), adv, keep, aggregation="seq_mean_token_mean")
+    loss_sum, n, metrics = loss_of(logprob, torch.zeros(3, 4), adv, keep, aggregation="seq_mean_token_mean")
     assert math.isclose(loss_sum.item(), -1.0 - 2.0)  # sequence means; the empty one is not counted
     assert int(n) == 2 and int(metrics["sequences"]) == 2
     loss_sum.backward()
     assert torch.allclose(logprob.grad[0], torch.tensor([-0.5, -0.5, 0, 0]))
     assert torch.allclose(logprob.grad[1], torch.full((4,), -0.5))
-    token_sum, token_n, _ = policy_loss(logprob, torch.zeros(3, 4), adv, keep)
+    token_sum, token_n, _ = loss_of(logprob, torch.zeros(3, 4), adv, keep)
     assert int(token_n) == 6 and math.isclose(token_sum.item(), -(2 * 1.0 + 4 * 2.0))
     with pytest.raises(ValueError, match="^logprob: seq_mean_token_mean needs"):
-        policy_loss(logprob.view(-1), torch.zeros(12), torch.ones(12), keep.view(-1), aggregation="seq_mean_token_mean")
+        loss_of(logprob.view(-1), torch.zeros(12), torch.ones(12), keep.view(-1), aggregation="seq_mean_token_mean")
 
 
 def test_kl_and_entropy_terms():
@@ -82,8 +79,8 @@ def test_kl_and_entropy_terms():
     ref = torch.tensor([[-1.5, -1.0]])
     entropy = torch.tensor([[0.3, 0.7]], requires_grad=True)
     keep = torch.ones(1, 2)
-    base, _, _ = policy_loss(logprob, logprob.detach(), torch.tensor([1.0]), keep)
-    total, _, metrics = policy_loss(
+    base, _, _ = loss_of(logprob, logprob.detach(), torch.tensor([1.0]), keep)
+    total, _, metrics = loss_of(
         logprob,
         logprob.detach(),
         torch.tensor([1.0]),
@@ -105,23 +102,23 @@ def test_kl_and_entropy_terms():
     expected_grad = -1.0 + 0.1 * (1 - torch.exp(ref - logprob.detach()))
     assert torch.allclose(logprob.grad, expected_grad)
     with pytest.raises(ValueError, match="^ref_logprob: needed"):
-        policy_loss(logprob, logprob.detach(), torch.tensor([1.0]), keep, kl_coef=0.1)
+        loss_of(logprob, logprob.detach(), torch.tensor([1.0]), keep, kl_coef=0.1)
     with pytest.raises(ValueError, match="^entropy: needed"):
-        policy_loss(logprob, logprob.detach(), torch.tensor([1.0]), keep, entropy_coef=0.1)
+        loss_of(logprob, logprob.detach(), torch.tensor([1.0]), keep, entropy_coef=0.1)
     with pytest.raises(ValueError, match=r"^old_logprob: shape \(1, 3\)"):
-        policy_loss(logprob, torch.zeros(1, 3), torch.tensor([1.0]), keep)
+        loss_of(logprob, torch.zeros(1, 3), torch.tensor([1.0]), keep)
     with pytest.raises(ValueError, match="^aggregation:"):
-        policy_loss(logprob, logprob.detach(), torch.tensor([1.0]), keep, aggregation="mean")
+        loss_of(logprob, logprob.detach(), torch.tensor([1.0]), keep, aggregation="mean")
 
 
 def test_metrics_reduce_over_micro_batches():
     logprob, old, adv, keep = _case()
     cand = torch.tensor([[True, False, False, False, True]])
     real = torch.ones(1, 5)
-    a = policy_loss(
+    a = loss_of(
         logprob, old, adv, keep, response_mask=real, candidates=cand, tau_h=torch.tensor(0.3), entropy=torch.rand(1, 5)
     )[2]
-    b = policy_loss(
+    b = loss_of(
         logprob * 0.5,
         old,
         adv,
@@ -147,17 +144,17 @@ def test_dual_clip_caps_negative_advantage_tokens():
     ratios = torch.tensor([[5.0, 2.0, 5.0]], dtype=torch.float64)
     logprob = ratios.log().requires_grad_()
     adv = torch.tensor([[-1.0, -1.0, 2.0]], dtype=torch.float64)
-    loss_sum, n, metrics = policy_loss(logprob, torch.zeros(1, 3, dtype=torch.float64), adv, torch.ones(1, 3))
+    loss_sum, n, metrics = loss_of(logprob, torch.zeros(1, 3, dtype=torch.float64), adv, torch.ones(1, 3))
     # -min(rA, clip(r)A) = 5, 2, -2.56; dual-clip: min(5, 3 * 1) = 3
     assert math.isclose(loss_sum.item(), 3.0 + 2.0 - 2.56, rel_tol=1e-6)
     loss_sum.backward()
     g = logprob.grad[0].tolist()
     assert g[0] == 0.0 and math.isclose(g[1], 2.0, rel_tol=1e-6) and g[2] == 0.0  # d(-A r)/dlogp = -A r
     assert int(metrics["dual_clip_tokens"]) == 1 and int(metrics["clip_low_tokens"]) == 0
-    wider, _, wider_metrics = policy_loss(logprob, torch.zeros(1, 3), adv, torch.ones(1, 3), clip_ratio_c=10.0)
+    wider, _, wider_metrics = loss_of(logprob, torch.zeros(1, 3), adv, torch.ones(1, 3), clip_ratio_c=10.0)
     assert math.isclose(wider.item(), 5.0 + 2.0 - 2.56, rel_tol=1e-6) and int(wider_metrics["dual_clip_tokens"]) == 0
     with pytest.raises(ValueError, match="^clip_ratio_c: must be > 1"):
-        policy_loss(logprob, torch.zeros(1, 3), adv, torch.ones(1, 3), clip_ratio_c=1.0)
+        loss_of(logprob, torch.zeros(1, 3), adv, torch.ones(1, 3), clip_ratio_c=1.0)
 
 
 def test_log_ratio_clamp_keeps_a_runaway_ratio_finite():
@@ -165,11 +162,11 @@ def test_log_ratio_clamp_keeps_a_runaway_ratio_finite():
     # gradient nan (0 * inf through exp's backward); clamped at 20, the dual-clip holds it at 3.
     logprob = torch.tensor([[100.0, -1.0]], requires_grad=True)
     old = torch.tensor([[0.0, -1.0]])
-    loss_sum, _, metrics = policy_loss(logprob, old, torch.tensor([-1.0]), torch.ones(1, 2))
+    loss_sum, _, metrics = loss_of(logprob, old, torch.tensor([-1.0]), torch.ones(1, 2))
     loss_sum.backward()
     assert math.isclose(loss_sum.item(), 3.0 + 1.0, rel_tol=1e-6)
     assert torch.isfinite(logprob.grad).all() and logprob.grad[0, 0] == 0.0
     assert math.isclose(float(metrics["ratio_max"]), math.exp(20.0), rel_tol=1e-6)
     assert math.isclose(float(metrics["approx_kl_sum"]), math.exp(20.0) - 21.0, rel_tol=1e-6)
-    tight, _, _ = policy_loss(logprob, old, torch.tensor([1.0]), torch.ones(1, 2), log_ratio_clamp=0.1)
+    tight, _, _ = loss_of(logprob, old, torch.tensor([1.0]), torch.ones(1, 2), log_ratio_clamp=0.1)
     assert math.isclose(tight.item(), -math.exp(0.1) - 1.0, rel_tol=1e-6)  # e^0.1 = 1.105 < 1.28: not clipped

@@ -19,12 +19,12 @@ from stapo_megatron.loss import (
     TokenStats,
     minibatch_threshold,
     needs_statistics_pass,
-    policy_loss,
     select_tokens,
     zero_advantage_skippable,
 )
 from stapo_megatron.runtime.launch import spawn_ranks
 from tests.loss import _related_workers
+from tests.loss._loss_call import loss_of
 from tests.loss._reference import rule_keeps
 
 
@@ -117,7 +117,7 @@ def test_stare_ties_at_the_cut_are_all_lifted():
 
 
 def test_stare_loss_and_gradient_match_fp64_reference():
-    """policy_loss with STARE's weights: sum_t w_t * clipped surrogate_t (dual-clip included) over
+    """PolicyLoss with STARE's weights: sum_t w_t * clipped surrogate_t (dual-clip included) over
     the number of response tokens, against fp64 autograd of the same formula."""
     cfg = AlgoConfig(token_rule="stare", stare_variant="C2", clip_ratio_c=3.0)
     micro = _micro_batches(seed=7)
@@ -128,7 +128,7 @@ def test_stare_loss_and_gradient_match_fp64_reference():
     for s, keep in zip(micro, keeps):
         old = s.logprob + torch.randn(s.logprob.shape, generator=gen) * 0.4  # ratios beyond both clips
         lp = s.logprob.clone().requires_grad_()
-        loss_sum, n, _ = policy_loss(lp, old, s.advantages, keep, clip_ratio_c=3.0, response_mask=s.response_mask)
+        loss_sum, n, _ = loss_of(lp, old, s.advantages, keep, clip_ratio_c=3.0, response_mask=s.response_mask)
         loss_sum.backward()
         total, count = total + float(loss_sum.detach()), count + int(n)
         grads.append(lp.grad)

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from stapo_megatron.loss import mismatch_sums, policy_loss, rollout_correction, summarize_mismatch
+from stapo_megatron.loss import mismatch_sums, rollout_correction, summarize_mismatch
+from tests.loss._loss_call import loss_of
 
 
 def _case():
@@ -25,34 +26,34 @@ def _case():
 
 def test_truncated_and_masked_weights_by_hand():
     old, rollout, mask = _case()
-    tis = rollout_correction(old, rollout, mask, "tis_token", cap=2.0)
+    tis = rollout_correction(old, rollout, mask, "tis_token", cap=2.0, floor=None)
     torch.testing.assert_close(tis.weight, torch.tensor([[2.0, 0.25, 1.0, 1.5, 1.0], [2.0, 1.0, 1.0, 1.0, 1.0]]))
     assert tis.truncated.tolist() == [[True, False, False, False, False], [True, False, False, False, False]]
     assert tis.accepted.tolist() == mask.bool().tolist()
 
-    seq = rollout_correction(old, rollout, mask, "tis_seq", cap=2.0)
+    seq = rollout_correction(old, rollout, mask, "tis_seq", cap=2.0, floor=None)
     torch.testing.assert_close(seq.weight[0, :4], torch.full((4,), 9 / 8))  # 3 * 1/4 * 1 * 3/2
     torch.testing.assert_close(seq.weight[1, :3], torch.full((3,), 2.0))  # 3, cut at 2
     assert seq.weight[0, 4] == seq.weight[1, 3] == 1.0  # padding: weight 1, never summed
     assert seq.truncated[1, :3].all() and not seq.truncated[0].any() and not seq.truncated[1, 3:].any()
 
-    # floor defaults to 1 / cap = 0.5: token weights 3 and 1/4 leave; 1 and 3/2 stay
-    mis = rollout_correction(old, rollout, mask, "mis_token", cap=2.0)
+    # floor None is 1 / cap = 0.5: token weights 3 and 1/4 leave; 1 and 3/2 stay
+    mis = rollout_correction(old, rollout, mask, "mis_token", cap=2.0, floor=None)
     assert mis.accepted.tolist() == [[False, False, True, True, False], [False, True, True, False, False]]
     assert torch.equal(mis.weight, torch.ones(2, 5))
     floor = rollout_correction(old, rollout, mask, "mis_token", cap=4.0, floor=0.2)
     assert floor.accepted[0].tolist() == [True, True, True, True, False]
 
-    mis_seq = rollout_correction(old, rollout, mask, "mis_seq", cap=2.0)
+    mis_seq = rollout_correction(old, rollout, mask, "mis_seq", cap=2.0, floor=None)
     assert mis_seq.accepted.tolist() == [[True, True, True, True, False], [False] * 5]  # 9/8 in, 3 out
 
     # geometric means: row 0 (9/8)^(1/4) = 1.030, row 1 3^(1/3) = 1.442; with cap 1.2 row 1 is cut / rejected
-    geo = rollout_correction(old, rollout, mask, "tis_geo", cap=1.2)
+    geo = rollout_correction(old, rollout, mask, "tis_geo", cap=1.2, floor=None)
     torch.testing.assert_close(geo.weight[0, :4], torch.full((4,), (9 / 8) ** 0.25))
     torch.testing.assert_close(geo.weight[1, :3], torch.full((3,), 1.2))
-    mis_geo = rollout_correction(old, rollout, mask, "mis_geo", cap=1.2)
+    mis_geo = rollout_correction(old, rollout, mask, "mis_geo", cap=1.2, floor=None)
     assert mis_geo.accepted.tolist() == [[True, True, True, True, False], [False] * 5]
-    assert rollout_correction(old, rollout, mask, "mis_geo", cap=1.5).accepted[1].tolist() == [
+    assert rollout_correction(old, rollout, mask, "mis_geo", cap=1.5, floor=None).accepted[1].tolist() == [
         True,
         True,
         True,
@@ -60,22 +61,22 @@ def test_truncated_and_masked_weights_by_hand():
         False,
     ]
 
-    none = rollout_correction(old, rollout, mask, "none")
+    none = rollout_correction(old, rollout, mask, "none", cap=2.0, floor=None)
     assert torch.equal(none.weight, torch.ones(2, 5)) and none.accepted.tolist() == mask.bool().tolist()
     with pytest.raises(ValueError, match="^rollout_correction: 'tis' is not one of"):
-        rollout_correction(old, rollout, mask, "tis")
+        rollout_correction(old, rollout, mask, "tis", cap=2.0, floor=None)
     with pytest.raises(ValueError, match=r"^rollout_logprob: shape \(2, 4\)"):
-        rollout_correction(old, rollout[:, :4], mask, "tis_token")
+        rollout_correction(old, rollout[:, :4], mask, "tis_token", cap=2.0, floor=None)
 
 
-def test_policy_loss_applies_the_correction():
+def test_PolicyLoss_applies_the_correction():
     old, rollout, mask = _case()
     logprob = old.clone().requires_grad_()  # ratio 1: each kept token's surrogate loss is -A = -1
     adv = torch.tensor([1.0, 1.0])
-    base, base_n, base_m = policy_loss(logprob, old, adv, mask, response_mask=mask, rollout_logprob=rollout)
+    base, base_n, base_m = loss_of(logprob, old, adv, mask, response_mask=mask, rollout_logprob=rollout)
     assert math.isclose(base.item(), -7.0) and int(base_n) == 7 and "rollout_weight_sum" not in base_m
 
-    tis, n, m = policy_loss(
+    tis, n, m = loss_of(
         logprob, old, adv, mask, response_mask=mask, rollout_logprob=rollout, rollout_correction="tis_token"
     )
     assert math.isclose(tis.item(), -(2 + 0.25 + 1 + 1.5) - (2 + 1 + 1), rel_tol=1e-6) and int(n) == 7
@@ -85,13 +86,13 @@ def test_policy_loss_applies_the_correction():
     assert int(m["rollout_truncated_tokens"]) == 2 and int(m["rollout_rejected_tokens"]) == 0
     assert math.isclose(float(m["rollout_weight_sum"]), 8.75, rel_tol=1e-6)
 
-    mis, n, m = policy_loss(
+    mis, n, m = loss_of(
         logprob, old, adv, mask, response_mask=mask, rollout_logprob=rollout, rollout_correction="mis_token"
     )
     assert math.isclose(mis.item(), -4.0) and int(n) == 4  # rejected tokens leave the count too
     assert int(m["rollout_rejected_tokens"]) == 3 and int(m["silenced_tokens"]) == 0 and int(m["kept_tokens"]) == 4
 
-    seq, n, _ = policy_loss(
+    seq, n, _ = loss_of(
         logprob, old, adv, mask, response_mask=mask, rollout_logprob=rollout, rollout_correction="mis_seq"
     )
     assert math.isclose(seq.item(), -4.0) and int(n) == 4
@@ -99,12 +100,12 @@ def test_policy_loss_applies_the_correction():
     # a token the rule silenced stays silenced and is not counted as a rejection
     keep = mask.clone()
     keep[0, 0] = 0.0
-    _, n, m = policy_loss(
+    _, n, m = loss_of(
         logprob, old, adv, keep, response_mask=mask, rollout_logprob=rollout, rollout_correction="mis_token"
     )
     assert int(n) == 4 and int(m["silenced_tokens"]) == 1 and int(m["rollout_rejected_tokens"]) == 2
     with pytest.raises(ValueError, match="^rollout_logprob: needed when rollout_correction is 'tis_seq'"):
-        policy_loss(logprob, old, adv, mask, rollout_correction="tis_seq")
+        loss_of(logprob, old, adv, mask, rollout_correction="tis_seq")
 
 
 def test_mismatch_split_by_candidates_by_hand():

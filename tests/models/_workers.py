@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+if TYPE_CHECKING:
+    from stapo_megatron.runtime.distributed import ParallelContext
 
-def check_logits_match_hf(tp: int, pp: int, cases: list[tuple[str, str]]) -> None:
-    """For each (HF checkpoint dir, reference file): Megatron logits == transformers logits."""
+
+def check_logits_match_hf(tp: int, pp: int, cases: list[tuple[str, str]]) -> ParallelContext:
+    """For each (HF checkpoint dir, reference file): Megatron logits == transformers logits. Returns
+    this rank's parallel context, for checks that follow in the same world."""
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     from stapo_megatron.checkpoint.convert import fill_from_hf
@@ -16,12 +22,12 @@ def check_logits_match_hf(tp: int, pp: int, cases: list[tuple[str, str]]) -> Non
     from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
     from stapo_megatron.trainer.schedule import forward_only
 
-    init_distributed(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp))
+    ctx = init_distributed(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp))
     for hf_dir, reference_file in cases:
         reference = torch.load(reference_file, weights_only=True)
         arch = Qwen3Config.from_hf(hf_dir)
-        model = build_stage(arch, perform_initialization=False)
-        fill_from_hf(model, arch, HFCheckpoint(hf_dir))
+        model = build_stage(arch, ctx, perform_initialization=False)
+        fill_from_hf(model, arch, HFCheckpoint(hf_dir), ctx)
         ids = reference["input_ids"]
         batches = [
             {"input_ids": ids[i : i + 1], "position_ids": torch.arange(ids.shape[1]).unsqueeze(0)}
@@ -32,15 +38,14 @@ def check_logits_match_hf(tp: int, pp: int, cases: list[tuple[str, str]]) -> Non
             return gather_from_tensor_model_parallel_region(logits)[..., :vocab_size]
 
         outputs = forward_only(model, batches, full_logits)
-        from megatron.core import parallel_state as ps
-
-        if ps.is_pipeline_last_stage():
+        if ctx.is_last_stage:
             got = torch.cat(outputs)
             assert got.shape == reference["logits"].shape, (got.shape, reference["logits"].shape)
             diff = (got - reference["logits"]).abs().max().item()
             assert diff <= 1e-4, f"{hf_dir} at TP={tp} PP={pp}: max |logits diff| = {diff}"
         else:
             assert outputs == []
+    return ctx
 
 
 def count_preset_parameters(names: list[str], out_file: str) -> None:

@@ -62,8 +62,8 @@ def export_every_rank(tp: int, pp: int, cases: list[tuple[str, str]]) -> None:
     ctx = init_distributed(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp))
     for hf_dir, out_prefix in cases:
         arch = Qwen3Config.from_hf(hf_dir)
-        model = build_stage(arch, perform_initialization=False)
-        fill_from_hf(model, arch, HFCheckpoint(hf_dir))
+        model = build_stage(arch, ctx, perform_initialization=False)
+        fill_from_hf(model, arch, HFCheckpoint(hf_dir), ctx)
         plan = stage_export_plan(model, arch, ctx.tp_size)
         # Just room for the largest parameter with its staging: several buckets per rank.
         bucket_bytes = max(e.nbytes + e.staging_bytes for e in plan)

@@ -70,16 +70,17 @@ def run_with_and_without_sequence_parallel(out: str) -> None:
     import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-    from stapo_megatron.loss import policy_loss, vocab_parallel_logprob_entropy
+    from stapo_megatron.loss import vocab_parallel_logprob_entropy
     from stapo_megatron.models.qwen3.parallelize import build_stage
     from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
     from stapo_megatron.trainer.schedule import forward_backward, forward_only
+    from tests.loss._loss_call import loss_of
 
     ctx = init_distributed(ParallelConfig(tensor_parallel=TP, pipeline_parallel=PP), seed=7)
     weights = None
     results = {}
     for sp in (False, True):
-        model = build_stage(ARCH, sequence_parallel=sp, calculate_per_token_loss=True)
+        model = build_stage(ARCH, ctx, sequence_parallel=sp, calculate_per_token_loss=True)
         if weights is None:
             weights = {n: p.detach().clone() for n, p in model.named_parameters()}
         else:
@@ -112,7 +113,7 @@ def run_with_and_without_sequence_parallel(out: str) -> None:
                 entropy_grad=True,
             )
             old = logprob.detach() - 0.05 * batch["response_mask"]  # ratios off 1: the clip terms matter
-            loss_sum, tokens, _ = policy_loss(
+            loss_sum, tokens, _ = loss_of(
                 logprob,
                 old,
                 batch["advantages"],

@@ -64,16 +64,15 @@ def check_uneven_stage(hf_dir: str, reference_file: str, out: str) -> None:
     """PP2 over 3 layers: logits equal transformers', the real stages equal the meta builder's
     stand-in stages, and (rank 0) every stage of 28 layers at PP3 on the meta device."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from stapo_megatron.checkpoint.export import stage_layer_offset
     from stapo_megatron.launch.meta import meta_stage
     from stapo_megatron.models.qwen3.parallelize import build_stage
 
-    _workers.check_logits_match_hf(1, 2, [(hf_dir, reference_file)])
+    ctx = _workers.check_logits_match_hf(1, 2, [(hf_dir, reference_file)])
     arch = Qwen3Config.from_hf(hf_dir)
-    stage = ps.get_pipeline_model_parallel_rank()
-    real = build_stage(arch, perform_initialization=False)
+    stage = ctx.pp_rank
+    real = build_stage(arch, ctx, perform_initialization=False)
     result = {
         "offset": stage_layer_offset(real),
         "real": [[n, p.numel()] for n, p in real.named_parameters()],

@@ -59,7 +59,6 @@ def tokens_sent(bodies: list[dict]) -> int:
 
 def check_servers_on_every_node(tmp_dir: str) -> None:
     from stapo_megatron.rollout.config import SGLangConfig
-    from stapo_megatron.rollout.endpoints import endpoints_on_node
     from stapo_megatron.rollout.engine import SamplingParams
     from stapo_megatron.rollout.node_servers import start_job_servers
     from stapo_megatron.rollout.sglang_client import request
@@ -103,10 +102,11 @@ def check_servers_on_every_node(tmp_dir: str) -> None:
     assert [e.node for e in endpoints] == [0, 0, 1, 1] and [e.gpu_ids for e in endpoints] == [(0,), (1,), (0,), (1,)]
     assert len({e.url for e in endpoints}) == 4 and all(e.colocated for e in endpoints)
     node = rank // 2
-    assert [e.index for e in endpoints_on_node(endpoints, node)] == [2 * node, 2 * node + 1]
+    on_node = [e for e in endpoints if e.node == node]
+    assert [e.index for e in on_node] == [2 * node, 2 * node + 1]
     assert (job.owned is not None) == (rank % 2 == 0)
     if job.owned is not None:
-        for i, (endpoint, row) in enumerate(zip(endpoints_on_node(endpoints, node), job.owned.status())):
+        for i, (endpoint, row) in enumerate(zip(on_node, job.owned.status())):
             log = Path(endpoint.log_path)
             assert log == tmp / "run" / "sglang" / f"node{node}" / f"server-{i}.log" and row["url"] == endpoint.url
             assert stat.S_IMODE(log.stat().st_mode) == 0o600

@@ -25,8 +25,8 @@ def check_local_engine_matches_megatron(hf_dir: str, tp: int, pp: int) -> None:
 
     ctx = init_distributed(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp))
     arch = Qwen3Config.from_hf(hf_dir)
-    model = build_stage(arch, perform_initialization=False)
-    fill_from_hf(model, arch, HFCheckpoint(hf_dir))
+    model = build_stage(arch, ctx, perform_initialization=False)
+    fill_from_hf(model, arch, HFCheckpoint(hf_dir), ctx)
     engine = LocalEngine(arch) if dist.get_rank() == 0 else None
     # Small buckets: several per rank, so the controller interleaves its own and the others'.
     gather_to_controller(

@@ -28,9 +28,9 @@ from stapo_megatron.rollout.sglang_engine import (
     SGLangEngine,
     SGLangServerError,
     SGLangWeightSyncError,
-    _parse_generate,
     expected_names_from_hf_checkpoint,
 )
+from stapo_megatron.rollout.sglang_generate import parse_generate
 from stapo_megatron.rollout.sglang_launch import KEY_ENV
 from stapo_megatron.rollout.sglang_server import build_launch_command
 from stapo_megatron.runtime.launch import reserve_port
@@ -401,7 +401,7 @@ def test_single_prompt_dict_response_is_parsed():
             "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, tokens)],
         },
     }
-    [[completion]] = _parse_generate(item, 1, 1, "http://x")
+    [[completion]] = parse_generate(item, 1, 1, "http://x")
     assert completion.token_ids == tokens and completion.finish_reason == "length"
 
 

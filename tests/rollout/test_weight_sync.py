@@ -93,8 +93,8 @@ def sync_on_every_rank(
         disaggregated = tuple(dataclass_replace(s, gpu_ids=()) for s in endpoints)
         ctx = init_distributed(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp))
         arch = Qwen3Config.from_hf(hf_dir)
-        model = build_stage(arch, perform_initialization=False)
-        fill_from_hf(model, arch, HFCheckpoint(hf_dir))
+        model = build_stage(arch, ctx, perform_initialization=False)
+        fill_from_hf(model, arch, HFCheckpoint(hf_dir), ctx)
         for mode, path in (
             ("tensor", "/update_weights_from_tensor"),
             ("disk", "/update_weights_from_disk"),
@@ -234,8 +234,8 @@ def load_local_engine_from_every_rank(hf_dir: str, tp: int, dp: int) -> None:
 
     ctx = init_distributed(ParallelConfig(tensor_parallel=tp, data_parallel=dp))
     arch = Qwen3Config.from_hf(hf_dir)
-    model = build_stage(arch, perform_initialization=False)
-    fill_from_hf(model, arch, HFCheckpoint(hf_dir))
+    model = build_stage(arch, ctx, perform_initialization=False)
+    fill_from_hf(model, arch, HFCheckpoint(hf_dir), ctx)
     engine = LocalEngine(arch) if ctx.rank == 0 else None
     assert sync_engine_weights(ctx, model, arch, engine, 5, None) is None
     if engine is not None:
@@ -293,8 +293,8 @@ def sync_across_nodes(hf_dir: str, layouts: list[tuple[int, int, int]], server_s
     for tp, pp, dp in layouts:
         ctx = init_distributed(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp))
         arch = Qwen3Config.from_hf(hf_dir)
-        model = build_stage(arch, perform_initialization=False)
-        fill_from_hf(model, arch, HFCheckpoint(hf_dir))
+        model = build_stage(arch, ctx, perform_initialization=False)
+        fill_from_hf(model, arch, HFCheckpoint(hf_dir), ctx)
         for servers in server_sets:
             version += 1
             endpoints = tuple(ServerEndpoint(**s) for s in servers)

@@ -190,11 +190,11 @@ def _check_batch_broadcast(ctx, shared) -> dict:
 
 
 def _check_rollout_statistics(ctx, shared) -> dict:
-    from stapo_megatron.trainer.update import rollout_statistics
+    from stapo_megatron.trainer.step_statistics import rollout_statistics
 
     microbatches, stats = shared["data"][ctx.dp_rank]
     return {
-        "got": rollout_statistics(ctx, stats, microbatches),
+        "got": rollout_statistics(ctx, stats, microbatches).metrics,
         "expected": _expected_rollout_statistics(shared["data"]),
     }
 

@@ -1,5 +1,5 @@
 """The ranks of tests/trainer/test_rank0_alone.py: the trainer's own methods (ready_to_generate,
-collect_rollouts, evaluate) on every rank of a real gloo world, with rank 0's rollout side, the
+collect_rollouts) and its rollout side's (evaluate) on every rank of a real gloo world, with rank 0's rollout side, the
 offload and the engine replaced by stand-ins that take the time a GPU would and record when.
 
 Run as ``python -m tests.trainer._rank0_alone_workers MODE OUT_DIR HANG_TIMEOUT_S SLOW_S`` with
@@ -54,7 +54,7 @@ class _SlowOffload:
 
 def _trainer(rank: int, hang_timeout_s: float, slow_s: float, mode: str, events: dict):
     """A Trainer without __init__: the attributes its rollout-side methods read."""
-    from stapo_megatron.trainer.controller import RolloutController
+    from stapo_megatron.trainer.controller import Rank0Rollouts, RolloutController
     from stapo_megatron.trainer.heartbeat import Heartbeat, job_store
     from stapo_megatron.trainer.trainer import Trainer
 
@@ -77,16 +77,17 @@ def _trainer(rank: int, hang_timeout_s: float, slow_s: float, mode: str, events:
         rank=rank, device=torch.device("cpu"), cpu_group=dist.group.WORLD, world_group=dist.group.WORLD
     )
     trainer.heartbeat = Heartbeat(hang_timeout_s, rank, saved_step=0, store=job_store())
-    trainer.controller = (
-        RolloutController(
-            SimpleNamespace(engine=engine, collect=collect),
-            SimpleNamespace(evaluate_in_training=evaluate_in_training),
-            logger=None,
+    rank0 = (
+        Rank0Rollouts(
+            collector=SimpleNamespace(engine=engine, collect=collect),
+            evaluator=SimpleNamespace(evaluate_in_training=evaluate_in_training),
+            metrics_logger=None,
             run_dir=None,
         )
         if rank == 0
         else None
     )
+    trainer.rollouts = RolloutController(trainer.ctx, None, trainer.heartbeat, rank0)
     trainer.offload = _SlowOffload(rank, slow_s, events) if mode == "offload" else None
     trainer.release_engine = False
     trainer.engine_released = mode == "offload"
@@ -112,7 +113,7 @@ def main(mode: str, out_dir: str, hang_timeout_s: float, slow_s: float) -> None:
         batch, metrics = trainer.collect_rollouts(1, timer)
         result["batch"] = [batch.response_ids, batch.advantages.tolist()]
         result["metrics"] = metrics
-        result["eval"] = trainer.evaluate(1, timer)
+        result["eval"] = trainer.rollouts.evaluate(1, timer)
         result["seconds"] = time.monotonic() - start
         result["returned_at"] = time.time()
     heartbeat.stop()

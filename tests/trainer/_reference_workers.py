@@ -83,7 +83,8 @@ def reference_checks(out_dir: str, hf_dir: str, arch_fields: dict, tensor_parall
     from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
     from stapo_megatron.trainer.offload import OPTIMIZER, PARAMS, TrainerOffload
     from stapo_megatron.trainer.reference import ReferenceModel
-    from stapo_megatron.trainer.update import PolicyUpdater, plan_step
+    from stapo_megatron.trainer.step_plan import plan_step
+    from stapo_megatron.trainer.update import PolicyUpdater
 
     ctx = init_distributed(ParallelConfig(tensor_parallel=tensor_parallel), seed=5)
     arch = Qwen3Config(**arch_fields)
@@ -95,9 +96,9 @@ def reference_checks(out_dir: str, hf_dir: str, arch_fields: dict, tensor_parall
         except Exception:  # recorded, asserted by the test
             record["failures"].append(f"{name}: {traceback.format_exc()}")
 
-    policy = build_stage(arch, calculate_per_token_loss=True)
-    fill_from_hf(policy, arch, HFCheckpoint(hf_dir))
-    reference = ReferenceModel(policy, arch, params_dtype=torch.float32, sequence_parallel=False)
+    policy = build_stage(arch, ctx, calculate_per_token_loss=True)
+    fill_from_hf(policy, arch, HFCheckpoint(hf_dir), ctx)
+    reference = ReferenceModel(policy, arch, ctx, params_dtype=torch.float32, sequence_parallel=False)
     initial = _params(reference.model)
 
     def equals_policy_at_step_0():

@@ -23,7 +23,7 @@ from stapo_megatron.trainer.batch import (
     token_slots,
     unpack_rollouts,
 )
-from stapo_megatron.trainer.update import plan_step
+from stapo_megatron.trainer.step_plan import plan_step
 
 
 def _batch() -> RolloutBatch:

@@ -64,7 +64,7 @@ def gspo_skip_matches_full_update(out_dir: str) -> None:
     from tests.trainer.test_zero_advantage_skip import ARCH, _cfg, _updater, rollout
 
     ctx = init_distributed(ParallelConfig(data_parallel=2), seed=3)
-    reference = build_stage(ARCH)
+    reference = build_stage(ARCH, ctx)
     weights = {k: v.clone() if torch.is_tensor(v) else v for k, v in reference.state_dict().items()}
     start = torch.cat([p.detach().reshape(-1).clone() for p in reference.parameters()])
     algo = dict(objective="gspo", token_rule="all", aggregation="seq_mean_token_mean", eps_low=3e-4, eps_high=4e-4)

@@ -103,7 +103,7 @@ def offload_round_trips(out_dir: str) -> None:
         cfg.compute.params_dtype = dtype_name
 
         def build(initial=None, dtype=dtype, cfg=cfg):
-            module = build_stage(arch, params_dtype=dtype, calculate_per_token_loss=True, device=ctx.device)
+            module = build_stage(arch, ctx, params_dtype=dtype, calculate_per_token_loss=True, device=ctx.device)
             if initial is not None:
                 module.load_state_dict(initial)
             holder = SimpleNamespace(cfg=cfg, params_dtype=dtype, rank=ctx.rank)
@@ -255,14 +255,15 @@ def test_phases_around_generation_run_in_the_order_the_gpu_memory_needs(monkeypa
     from types import SimpleNamespace
 
     from stapo_megatron.trainer import trainer as trainer_module
-    from stapo_megatron.trainer.controller import RolloutController
     from stapo_megatron.trainer.metrics import PhaseTimer
     from stapo_megatron.trainer.trainer import Trainer
 
     calls = []
     monkeypatch.setattr(trainer_module.dist, "barrier", lambda group=None: calls.append("barrier"))
-    engine = SimpleNamespace(
-        resume_memory=lambda: calls.append("engine resume"), release_memory=lambda: calls.append("engine release")
+    rollouts = SimpleNamespace(
+        resume_engine=lambda: calls.append("engine resume"),
+        release_engine=lambda: calls.append("engine release"),
+        sync_weights=lambda model, version: calls.append(f"sync {version}"),
     )
     holder = SimpleNamespace(
         rank=0,
@@ -272,10 +273,9 @@ def test_phases_around_generation_run_in_the_order_the_gpu_memory_needs(monkeypa
         release_engine=True,
         moved_bytes={"offload": 0, "reload": 0},
         ctx=SimpleNamespace(cpu_group=None),
-        controller=RolloutController(SimpleNamespace(engine=engine), evaluator=None, logger=None, run_dir=None),
-        sync_weights=lambda version: calls.append(f"sync {version}"),
+        model=None,
+        rollouts=rollouts,
     )
-    holder._on_controller = lambda action, default=None: Trainer._on_controller(holder, action, default)
     holder.offload.off = {"optimizer": True, "params": True}  # as __init__ leaves it before the servers launch
     timer = PhaseTimer()
 

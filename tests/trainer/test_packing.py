@@ -67,8 +67,9 @@ def _layouts(batch, multiple: int):
 def _run_layout(ctx, model, microbatches, slots, aggregation, correction, old_logprob):
     """(log-prob slots, entropy slots, total loss, gradients) of ``microbatches`` (last stage
     holds the first three; every rank its gradient shards)."""
-    from stapo_megatron.loss import policy_loss, vocab_parallel_logprob_entropy
+    from stapo_megatron.loss import vocab_parallel_logprob_entropy
     from stapo_megatron.trainer.schedule import forward_backward
+    from tests.loss._loss_call import loss_of
 
     logprob = torch.zeros(slots.size, dtype=torch.float64)
     entropy = torch.zeros(slots.size, dtype=torch.float64)
@@ -82,7 +83,7 @@ def _run_layout(ctx, model, microbatches, slots, aggregation, correction, old_lo
         logprob[index] = lp.detach().double()
         entropy[index] = h.detach().double()
         old = old_logprob[index].float() if old_logprob is not None else lp.detach()
-        loss_sum, num_tokens, _ = policy_loss(
+        loss_sum, num_tokens, _ = loss_of(
             lp,
             old,
             batch["advantages"],
@@ -144,7 +145,7 @@ def packed_vs_padded(out_dir: str, layouts: list[dict]) -> None:
         ctx = init_distributed(
             ParallelConfig(tensor_parallel=layout["tp"], pipeline_parallel=layout["pp"], sequence_parallel=sp), seed=7
         )
-        model = build_stage(ARCH, calculate_per_token_loss=True, sequence_parallel=sp)
+        model = build_stage(ARCH, ctx, calculate_per_token_loss=True, sequence_parallel=sp)
         with torch.no_grad():  # logits of a few units, not the near-uniform ones of std-0.02 weights
             for name, p in model.named_parameters():
                 if "output_layer" in name:

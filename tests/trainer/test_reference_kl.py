@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from stapo_megatron.config import ConfigError, build, load_config
-from stapo_megatron.loss import AlgoConfig, policy_loss
+from stapo_megatron.loss import AlgoConfig
 from stapo_megatron.loss.policy import kl_estimate
 from stapo_megatron.trainer.config import TrainConfig
 from stapo_megatron.trainer.validation import check_train_config
+from tests.loss._loss_call import loss_of
 
 ESTIMATORS = ("k1", "k2", "k3")
 
@@ -66,7 +67,7 @@ def test_loss_gradient_with_the_kl_term_matches_fp64_autograd(estimator):
     keep[0, 0] = 0.5  # a fractional weight
     coef = 0.3
     lp = lp64.float().requires_grad_()
-    loss_sum, count, metrics = policy_loss(
+    loss_sum, count, metrics = loss_of(
         lp, old.float(), adv[:, 0].float(), keep.float(), ref_logprob=ref.float(), kl_coef=coef, kl_estimator=estimator
     )
     (loss_sum / count).backward()
@@ -87,7 +88,7 @@ def test_loss_gradient_with_the_kl_term_matches_fp64_autograd(estimator):
 
 def test_kl_estimator_is_checked_and_kl_coef_is_accepted_by_the_trainer():
     with pytest.raises(ValueError, match="^kl_estimator: 'mse' is not one of k1, k2, k3$"):
-        policy_loss(
+        loss_of(
             torch.zeros(2),
             torch.zeros(2),
             torch.ones(2),
@@ -179,7 +180,8 @@ def test_tiny_run_with_grpo_logs_ref_kl_and_resumes_with_the_initial_reference(t
 
 
 def test_plan_counts_the_reference_weights_when_kl_coef_is_positive():
-    from stapo_megatron.launch.plan import Layout, Workload, _from_config, estimate, stage_parameters
+    from stapo_megatron.launch.plan import Layout, Workload, estimate, stage_parameters
+    from stapo_megatron.launch.plan_config import training_config_defaults
     from stapo_megatron.models.qwen3.config import Qwen3Config
     from stapo_megatron.trainer.launcher import default_config_path
 
@@ -206,5 +208,5 @@ def test_plan_counts_the_reference_weights_when_kl_coef_is_positive():
         ]
         assert offloaded[0].rollout_phase == offloaded[1].rollout_phase  # it leaves with the optimizer state
     path = str(default_config_path())
-    assert _from_config(load_config(TrainConfig, path, ["algo=grpo"]))["reference_model"] is True
-    assert _from_config(load_config(TrainConfig, path, []))["reference_model"] is False
+    assert training_config_defaults(load_config(TrainConfig, path, ["algo=grpo"]))["reference_model"] is True
+    assert training_config_defaults(load_config(TrainConfig, path, []))["reference_model"] is False

@@ -18,12 +18,13 @@ import torch
 
 from stapo_megatron.config import ConfigError
 from stapo_megatron.data.synthetic import synthetic_tokenizer
-from stapo_megatron.trainer.checkpointing import HISTORY_FILE, LATEST_FILE, Checkpointer, check_common, check_run_files
+from stapo_megatron.trainer.checkpoint_directory import HISTORY_FILE, LATEST_FILE, CheckpointDirectory, check_run_files
+from stapo_megatron.trainer.checkpointing import check_common, read_common
 from stapo_megatron.trainer.launcher import default_config_path, load_train_config
+from stapo_megatron.trainer.resume import check_resume_early
 from stapo_megatron.trainer.run_record import (
     RECORD_KEY,
     ResumePlan,
-    check_resume_early,
     plan_resume,
     run_record,
     tokenizer_digests,
@@ -86,7 +87,7 @@ def test_a_damaged_history_is_one_line_at_start_and_at_a_save(tmp_path, kind):
     assert '(e.g. {"steps": [1, 2]} if every complete checkpoint there is this run\'s)' in said
     assert f"or delete it to count every complete checkpoint in {root} as this run's" in said
     with pytest.raises(ConfigError, match=message):
-        Checkpointer(tmp_path, keep_last=1).history()  # what a save reads before pruning
+        CheckpointDirectory(tmp_path, keep_last=1).history()  # what a save reads before pruning
     assert history.read_bytes() == (content if isinstance(content, bytes) else content.encode())
 
 
@@ -410,7 +411,7 @@ def _refused_on_every_rank(result, message: str, world: int = 2) -> None:
 @pytest.mark.slow
 def test_checkpoints_record_the_run_and_a_changed_run_is_refused_before_any_tensor(distributed_run, tmp_path):
     checkpoint = distributed_run / "checkpoints" / "iter_0000002"
-    common = Checkpointer.read_common(checkpoint)
+    common = read_common(checkpoint)
     record = common[RECORD_KEY]
     assert record["layout"] == {
         "tensor_parallel": 2,
@@ -445,7 +446,7 @@ def test_checkpoints_record_the_run_and_a_changed_run_is_refused_before_any_tens
         check_resume_early(_config(run_dir, "parallel.tensor_parallel=1"))
     plan = plan_resume(
         run_dir / "checkpoints" / "iter_0000002",
-        Checkpointer.read_common(run_dir / "checkpoints" / "iter_0000002"),
+        read_common(run_dir / "checkpoints" / "iter_0000002"),
         run_record(_config(run_dir, "algo=grpo"), str(run_dir / "tokenizer")),
     )
     assert plan.changes == [
@@ -478,7 +479,7 @@ def test_a_changed_algorithm_data_setting_and_sequence_parallelism_take_effect_w
     assert [w for w in warnings if w in expected] == expected, result.stderr[-3000:]
     assert result.stderr.index(expected[0]) < result.stderr.index("resumed from")  # before the first step
     assert [row["step"] for row in metrics(run_dir)] == [1, 2, 3]
-    common = Checkpointer.read_common(run_dir / "checkpoints" / "iter_0000003")
+    common = read_common(run_dir / "checkpoints" / "iter_0000003")
     assert common[RECORD_KEY]["algo"]["token_rule"] == "all" and common[RECORD_KEY]["data"]["shuffle"] is False
     # The new prompt order from its start: the unshuffled epoch 0, after the step's prompts.
     assert common["progress"]["sampler"]["epoch"] == 1 and common["progress"]["sampler"]["shuffle"] is False

@@ -14,8 +14,8 @@ from stapo_megatron.data.sampler import PromptSampler
 from stapo_megatron.data.synthetic import synthetic_tokenizer
 from stapo_megatron.rewards.result import RewardResult
 from stapo_megatron.rollout.engine import Completion
-from stapo_megatron.trainer.controller import RolloutCollector
 from stapo_megatron.trainer.launcher import load_train_config
+from stapo_megatron.trainer.rollout_collector import RolloutCollector
 
 
 class _ScriptedEngine:

@@ -14,8 +14,8 @@ from stapo_megatron.data.prompts import build_prompt_dataset, load_tokenizer
 from stapo_megatron.data.sampler import PromptSampler
 from stapo_megatron.rewards.result import RewardResult
 from stapo_megatron.rollout.engine import Completion
-from stapo_megatron.trainer.controller import RolloutCollector, step_seed
 from stapo_megatron.trainer.launcher import load_train_config
+from stapo_megatron.trainer.rollout_collector import RolloutCollector, step_seed
 
 GROUP = 2
 DAPO = ("algo=dapo_dynamic_sampling", "algo.overlong_buffer=1")  # no length penalty for the 1-3 token responses of 4

@@ -17,17 +17,18 @@ import torch
 
 from stapo_megatron.config import ConfigError
 from stapo_megatron.runtime import console, run_lock
-from stapo_megatron.runtime.run_files import NoSpaceError, atomic_open
-from stapo_megatron.runtime.run_lock import LOCK_FILE, RunLock
-from stapo_megatron.trainer.checkpointing import HISTORY_FILE, Checkpointer
-from stapo_megatron.trainer.launcher import (
-    ALLOCATION_STARTED_ENV,
-    load_train_config,
-    prepare_run_directory,
+from stapo_megatron.runtime.run_files import (
+    METRICS_FILE,
+    RUN_MARKER,
+    NoSpaceError,
+    atomic_open,
     write_resolved_config,
 )
-from stapo_megatron.trainer.metrics import METRICS_FILE, MetricsLogger, read_metrics
-from stapo_megatron.trainer.run_directory import RUN_MARKER, mark_run_directory
+from stapo_megatron.runtime.run_lock import LOCK_FILE, RunLock
+from stapo_megatron.trainer.checkpoint_directory import HISTORY_FILE, CheckpointDirectory
+from stapo_megatron.trainer.launcher import ALLOCATION_STARTED_ENV, load_train_config, prepare_run_directory
+from stapo_megatron.trainer.metrics import MetricsLogger, read_metrics
+from stapo_megatron.trainer.run_directory import mark_run_directory
 
 
 def _dead_pid() -> int:
@@ -170,46 +171,46 @@ def _ends(process, timeout: float = 10.0) -> bool:
     return False
 
 
-def _fake_checkpoint(checkpointer: Checkpointer, step: int) -> None:
-    directory = checkpointer.root / checkpointer.name(step)
+def _fake_checkpoint(checkpoints: CheckpointDirectory, step: int) -> None:
+    directory = checkpoints.path(step)
     directory.mkdir(parents=True)
     (directory / "stapo_complete.json").write_text(json.dumps({"step": step}))
 
 
 def test_pruning_touches_only_the_runs_own_checkpoints(tmp_path):
-    checkpointer = Checkpointer(tmp_path, keep_last=2)
+    checkpoints = CheckpointDirectory(tmp_path, keep_last=2)
     for step in (10, 20, 30, 40, 50, 60):  # another run's (copied in, or kept on purpose)
-        _fake_checkpoint(checkpointer, step)
-    (checkpointer.root / HISTORY_FILE).write_text(json.dumps({"steps": []}))
+        _fake_checkpoint(checkpoints, step)
+    (checkpoints.root / HISTORY_FILE).write_text(json.dumps({"steps": []}))
     for step in (1, 2, 3):
-        checkpointer._write_history([*checkpointer.history(), step])
-        _fake_checkpoint(checkpointer, step)
-        checkpointer._prune(step)
+        checkpoints.add_to_history(step)
+        _fake_checkpoint(checkpoints, step)
+        checkpoints._prune(step)
     # By step number, steps 1-3 would all be gone as soon as written.
-    assert checkpointer.complete_steps() == [2, 3, 10, 20, 30, 40, 50, 60]
-    assert checkpointer.history() == [2, 3]
+    assert checkpoints.complete_steps() == [2, 3, 10, 20, 30, 40, 50, 60]
+    assert checkpoints.history() == [2, 3]
 
     # Resumed from step 2 (step 3 was set aside), the new step 3 replaces the old; steps after
     # the one saved belong to the abandoned trajectory and go.
-    checkpointer._write_history([2, 3, 4, 5])
+    checkpoints._write_history([2, 3, 4, 5])
     for step in (4, 5):
-        _fake_checkpoint(checkpointer, step)
-    checkpointer._write_history([*checkpointer.history(), 3])
-    checkpointer._prune(3)
-    assert checkpointer.complete_steps() == [2, 3, 10, 20, 30, 40, 50, 60]
-    assert checkpointer.history() == [2, 3]
+        _fake_checkpoint(checkpoints, step)
+    checkpoints.add_to_history(3)
+    checkpoints._prune(3)
+    assert checkpoints.complete_steps() == [2, 3, 10, 20, 30, 40, 50, 60]
+    assert checkpoints.history() == [2, 3]
 
 
 def test_pruning_a_directory_from_before_the_history(tmp_path):
-    checkpointer = Checkpointer(tmp_path, keep_last=2)
+    checkpoints = CheckpointDirectory(tmp_path, keep_last=2)
     for step in (1, 2, 3):
-        _fake_checkpoint(checkpointer, step)
-    (checkpointer.root / ".iter_0000004.partial").mkdir()
-    checkpointer._write_history([*checkpointer.history(), 4])
-    _fake_checkpoint(checkpointer, 4)
-    checkpointer._prune(4)
-    assert checkpointer.complete_steps() == [3, 4] and checkpointer.history() == [3, 4]
-    assert not (checkpointer.root / ".iter_0000004.partial").exists()
+        _fake_checkpoint(checkpoints, step)
+    (checkpoints.root / ".iter_0000004.partial").mkdir()
+    checkpoints.add_to_history(4)
+    _fake_checkpoint(checkpoints, 4)
+    checkpoints._prune(4)
+    assert checkpoints.complete_steps() == [3, 4] and checkpoints.history() == [3, 4]
+    assert not (checkpoints.root / ".iter_0000004.partial").exists()
 
 
 def _config(run_dir, *overrides):
@@ -221,9 +222,9 @@ def test_starting_afresh_in_a_used_directory(tmp_path, capsys, monkeypatch):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     mark_run_directory(run_dir)
-    checkpointer = Checkpointer(run_dir, keep_last=3)
+    checkpoints = CheckpointDirectory(run_dir, keep_last=3)
     for step in (5, 10):
-        _fake_checkpoint(checkpointer, step)
+        _fake_checkpoint(checkpoints, step)
     (run_dir / METRICS_FILE).write_text('{"step": 1}\n')
     (run_dir / "STOP").touch()
 
@@ -231,11 +232,11 @@ def test_starting_afresh_in_a_used_directory(tmp_path, capsys, monkeypatch):
         prepare_run_directory(_config(run_dir, "checkpoint.resume=never"), overwrite=False)
     assert "\n" not in str(refused.value)
     assert "has checkpoints up to step 10" in str(refused.value) and "--overwrite" in str(refused.value)
-    assert checkpointer.complete_steps() == [5, 10] and (run_dir / "STOP").exists()  # nothing touched
+    assert checkpoints.complete_steps() == [5, 10] and (run_dir / "STOP").exists()  # nothing touched
 
     # A resumed run keeps everything but the stop request of the earlier run.
     prepare_run_directory(_config(run_dir), overwrite=False)
-    assert checkpointer.complete_steps() == [5, 10] and not (run_dir / "STOP").exists()
+    assert checkpoints.complete_steps() == [5, 10] and not (run_dir / "STOP").exists()
     assert f"[stapo] removed {run_dir / 'STOP'}, a stop request left by an earlier run\n" in capsys.readouterr().err
 
     # In a requeued SLURM allocation: a stop request older than the allocation is an earlier run's;
@@ -255,12 +256,12 @@ def test_starting_afresh_in_a_used_directory(tmp_path, capsys, monkeypatch):
     (run_dir / LOCK_FILE).write_text("{}")
     (run_dir / "notes.txt").write_text("the user's own")  # no run writes it: it stays
     prepare_run_directory(_config(run_dir, "checkpoint.resume=never"), overwrite=True)
-    assert checkpointer.complete_steps() == [] and not (run_dir / METRICS_FILE).exists()
+    assert checkpoints.complete_steps() == [] and not (run_dir / METRICS_FILE).exists()
     assert (run_dir / LOCK_FILE).exists() and (run_dir / RUN_MARKER).exists()
     assert (run_dir / "notes.txt").read_text() == "the user's own"
     (archive,) = (run_dir / "archive").iterdir()
     assert sorted(p.name for p in archive.iterdir()) == ["checkpoints", METRICS_FILE]
-    assert Checkpointer(archive, keep_last=3).complete_steps() == [5, 10]
+    assert CheckpointDirectory(archive, keep_last=3).complete_steps() == [5, 10]
     err = capsys.readouterr().err
     assert f"[stapo] --overwrite: moved the earlier run (checkpoints, {METRICS_FILE}) to {archive}\n" in err
     assert "[stapo] --overwrite: left in place what no run writes: notes.txt\n" in err
@@ -342,7 +343,7 @@ def test_a_checkpoint_write_on_a_full_disk_is_one_line_and_leaves_no_partial_che
     from stapo_megatron.checkpoint.dist import staging_dir
     from stapo_megatron.trainer import checkpointing
 
-    def full_disk_write(state, directory, metadata=None, assets=None):
+    def full_disk_write(state, directory, ctx, metadata=None, assets=None):
         staging_dir(directory).mkdir(parents=True)
         (staging_dir(directory) / "__0_0.distcp").write_bytes(b"half a shard")
         # How Megatron's writer reports a rank's failure (a BaseException, the OSError as text).
@@ -353,18 +354,40 @@ def test_a_checkpoint_write_on_a_full_disk_is_one_line_and_leaves_no_partial_che
     stage = types.SimpleNamespace(sharded_state_dict=lambda: {})
     optimizer = types.SimpleNamespace(sharded_state_dict=lambda *args, **kwargs: {})
     scheduler = types.SimpleNamespace(state_dict=lambda: {"num_steps": 3})
-    ctx = types.SimpleNamespace(tp_size=1, pp_size=1, dp_size=1, tp_rank=0, pp_rank=0, dp_rank=0, cpu_group=None)
-    checkpointer = Checkpointer(tmp_path, keep_last=2, ctx=ctx)
-    _fake_checkpoint(checkpointer, 2)
+    progress = types.SimpleNamespace(state_dict=lambda: {"step": 3})
+    ctx = types.SimpleNamespace(
+        rank=0,
+        tp_size=1,
+        pp_size=1,
+        dp_size=1,
+        tp_rank=0,
+        pp_rank=0,
+        dp_rank=0,
+        broadcast_object=lambda obj, src=0: obj,  # one rank: its own object
+    )
+    checkpoints = CheckpointDirectory(tmp_path, keep_last=2)
+    checkpointer = checkpointing.Checkpointer(
+        checkpoints,
+        ctx,
+        model=stage,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        progress=progress,
+        record={},
+        arch=_config(tmp_path).model,
+        params_dtype=torch.float32,
+        assets=None,
+    )
+    _fake_checkpoint(checkpoints, 2)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with pytest.raises(NoSpaceError) as error:
-            checkpointer.save(3, stage, optimizer, scheduler, {"step": 3}, _config(tmp_path).model, torch.float32)
+            checkpointer.save(3)
     finally:
         dist.destroy_process_group()
     assert str(error.value) == f"no space left on {tmp_path / 'checkpoints'}"
-    assert sorted(p.name for p in checkpointer.root.iterdir()) == [HISTORY_FILE, "iter_0000002"]
-    assert checkpointer.complete_steps() == [2]
+    assert sorted(p.name for p in checkpoints.root.iterdir()) == [HISTORY_FILE, "iter_0000002"]
+    assert checkpoints.complete_steps() == [2]
 
 
 def test_a_full_disk_deep_inside_a_library_is_recognised():
@@ -541,8 +564,8 @@ def test_the_run_directory_across_runs(tmp_path):
         assert not alive, f"still running after the launcher was killed: {[p.cmdline() for p in alive]}"
     finally:
         kill_tree(first.pid)
-    saved = Checkpointer(run_dir, keep_last=2).complete_steps()
-    assert len(saved) >= 2 and set(saved[-2:]) <= set(Checkpointer(run_dir, keep_last=2).history())
+    saved = CheckpointDirectory(run_dir, keep_last=2).complete_steps()
+    assert len(saved) >= 2 and set(saved[-2:]) <= set(CheckpointDirectory(run_dir, keep_last=2).history())
     last = saved[-1]
 
     # Flags after overrides; the dead launcher's lock is taken over; the old checkpoints stay.
@@ -579,7 +602,7 @@ def test_the_run_directory_across_runs(tmp_path):
     assert "killed by a second SIGINT" in output and not alive
     assert not (run_dir / "STOP").exists() and not (run_dir / LOCK_FILE).exists()
     (archive,) = (run_dir / "archive").iterdir()
-    assert Checkpointer(archive, keep_last=2).complete_steps()[-1] == last + 2
+    assert CheckpointDirectory(archive, keep_last=2).complete_steps()[-1] == last + 2
     assert [r["step"] for r in metrics(archive)] == list(range(1, last + 3))
 
 

@@ -26,13 +26,18 @@ import pytest
 
 from stapo_megatron.config import ConfigError
 from stapo_megatron.runtime import console
+from stapo_megatron.runtime.run_files import (
+    METRICS_FILE,
+    RANKS_CONFIG,
+    RESOLVED_CONFIG,
+    RUN_MARKER,
+    STOP_FILE,
+    write_resolved_config,
+)
 from stapo_megatron.runtime.run_lock import GUARD_FILE, LOCK_FILE, RunLock
-from stapo_megatron.trainer.launcher import load_train_config, prepare_run_directory, write_resolved_config
-from stapo_megatron.trainer.metrics import METRICS_FILE
+from stapo_megatron.trainer.launcher import load_train_config, prepare_run_directory
 from stapo_megatron.trainer.run_directory import (
     DIRECTORY_ENTRIES,
-    RANKS_CONFIG,
-    RUN_MARKER,
     RUN_OUTPUTS,
     check_run_directory,
     is_run_directory,
@@ -246,7 +251,7 @@ def test_a_sigkilled_launcher_leaves_its_private_config_only_in_the_run_director
     import psutil
 
     from stapo_megatron.runtime.launch import kill_tree
-    from stapo_megatron.trainer.checkpointing import Checkpointer
+    from stapo_megatron.trainer.checkpoint_directory import CheckpointDirectory
     from tests.trainer.runs import start_session, train_command
 
     temporary = tmp_path / "tmp"  # the launcher's temporary directory, where the code before put it
@@ -256,7 +261,7 @@ def test_a_sigkilled_launcher_leaves_its_private_config_only_in_the_run_director
     launcher = start_session(train_command(run_dir, "run.steps=10000", "checkpoint.save_every=1"))
     try:
         deadline = time.monotonic() + 300
-        while not Checkpointer(run_dir, 1).complete_steps():
+        while not CheckpointDirectory(run_dir, 1).complete_steps():
             assert launcher.poll() is None, launcher.stdout.read()[-3000:]
             assert time.monotonic() < deadline, "no checkpoint in time"
             time.sleep(0.2)
@@ -288,9 +293,8 @@ def test_a_sigkilled_launcher_leaves_its_private_config_only_in_the_run_director
 def test_the_names_a_run_writes_are_those_of_their_writers(tmp_path):
     from stapo_megatron.eval.evaluator import step_directory
     from stapo_megatron.rollout.factory import sglang_settings
-    from stapo_megatron.trainer.checkpointing import Checkpointer
+    from stapo_megatron.trainer.checkpoint_directory import CheckpointDirectory
     from stapo_megatron.trainer.inspector import DUMP_DIR
-    from stapo_megatron.trainer.launcher import RESOLVED_CONFIG, STOP_FILE
     from stapo_megatron.trainer.plot import plot_runs
 
     cfg = load_train_config(None, [f"run.output_dir={tmp_path}"])
@@ -299,7 +303,7 @@ def test_the_names_a_run_writes_are_those_of_their_writers(tmp_path):
         STOP_FILE,
         METRICS_FILE,
         DUMP_DIR,
-        Checkpointer(tmp_path, 1).root.name,
+        CheckpointDirectory(tmp_path, 1).root.name,
         step_directory(tmp_path, 1).parent.name,
         Path(sglang_settings(cfg.rollout, "", tmp_path).log_dir).name,
     }
@@ -362,7 +366,7 @@ def test_overwrite_twice_in_one_second_keeps_both_earlier_runs(tmp_path, monkeyp
 
 
 def test_the_resolved_config_replaces_only_a_runs_own(tmp_path):
-    # As rank 0 writes it in every launch (trainer/controller.py), also when no launcher checked first.
+    # As rank 0 writes it in every launch (controller.Rank0Rollouts.build), also when no launcher checked first.
     cfg = load_train_config(None, [f"run.output_dir={tmp_path}"])
     (tmp_path / "config.yaml").write_text("my: own\n")
     with pytest.raises(ConfigError, match=r"config\.yaml: not written by a run \(.* has no \.stapo_run\)"):

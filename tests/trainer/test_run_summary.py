@@ -8,8 +8,8 @@ import json
 import pytest
 
 from stapo_megatron.checkpoint.cli import newest_intact_checkpoint
-from stapo_megatron.checkpoint.dist import COMPLETE_MARKER
 from stapo_megatron.checkpoint.integrity import HASH, record_files
+from stapo_megatron.checkpoint.marker import COMPLETE_MARKER
 from stapo_megatron.cli import main
 from stapo_megatron.runtime import console
 from stapo_megatron.trainer.launcher import _already_complete, load_train_config, run_summary

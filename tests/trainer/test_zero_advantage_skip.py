@@ -101,7 +101,7 @@ def _updater(ctx, weights, cfg):
     from stapo_megatron.models.qwen3.parallelize import build_stage
     from stapo_megatron.trainer.update import PolicyUpdater
 
-    model = build_stage(ARCH, calculate_per_token_loss=True)
+    model = build_stage(ARCH, ctx, calculate_per_token_loss=True)
     model.load_state_dict(weights)
     ddp = DistributedDataParallel(
         config=model.config,
@@ -161,7 +161,7 @@ def skip_matches_full_update(out_dir: str) -> None:
     from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
 
     ctx = init_distributed(ParallelConfig(data_parallel=2), seed=3)
-    reference = build_stage(ARCH)
+    reference = build_stage(ARCH, ctx)
     with torch.no_grad():
         for name, p in reference.named_parameters():
             if "output_layer" in name:

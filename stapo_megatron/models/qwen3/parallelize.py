@@ -6,11 +6,16 @@ Any layer count splits over any number of pipeline stages up to it
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from stapo_megatron.config import ConfigError
 from stapo_megatron.models.qwen3.config import Qwen3Config
 from stapo_megatron.models.qwen3.model import build_gpt_model, transformer_config
+
+if TYPE_CHECKING:
+    from stapo_megatron.runtime.distributed import ParallelContext
 
 
 def check_layout(arch: Qwen3Config, tensor_parallel: int, pipeline_parallel: int) -> None:
@@ -39,6 +44,7 @@ def sequence_multiple(tensor_parallel: int, sequence_parallel: bool) -> int:
 
 def build_stage(
     arch: Qwen3Config,
+    ctx: ParallelContext,
     *,
     params_dtype: torch.dtype = torch.float32,
     perform_initialization: bool = True,
@@ -47,22 +53,18 @@ def build_stage(
     calculate_per_token_loss: bool = False,
     device: torch.device | None = None,
 ):
-    """This rank's pipeline stage of Qwen3, after ``init_distributed``.
+    """This rank's pipeline stage of Qwen3, at its place in ``ctx`` (what ``init_distributed`` returned).
 
     ``sequence_parallel``: Megatron's sequence parallelism (TP > 1); then the inputs' sequence
     length must be a multiple of TP (:func:`sequence_multiple`). The logits come back whole
     along the sequence ([b, s, V/TP]): the output layer gathers it before its matmul.
     """
-    from megatron.core import parallel_state as ps
-
-    tp = ps.get_tensor_model_parallel_world_size()
-    pp = ps.get_pipeline_model_parallel_world_size()
-    check_layout(arch, tp, pp)
+    check_layout(arch, ctx.tp_size, ctx.pp_size)
     config = transformer_config(
         arch,
-        tensor_parallel=tp,
-        pipeline_parallel=pp,
-        context_parallel=ps.get_context_parallel_world_size(),
+        tensor_parallel=ctx.tp_size,
+        pipeline_parallel=ctx.pp_size,
+        context_parallel=ctx.cp_size,
         sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
         perform_initialization=perform_initialization,
@@ -72,8 +74,8 @@ def build_stage(
     model = build_gpt_model(
         arch,
         config,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
+        pre_process=ctx.is_first_stage,
+        post_process=ctx.is_last_stage,
     )
     if device is not None:
         model = model.to(device)

@@ -69,6 +69,8 @@ class DistributedTransport(SessionTransport):
         address = plan.config.weight_sync_master_address or local_address_towards(split_url(server.url)[1])
         group = WeightUpdateGroup(
             master_address=address,
+            # Each sender hosts one store per target server (a colocated one anew at every update), so no
+            # one configured port could serve them: the OS picks a free one, sent to the server below.
             port=0,
             world_size=1 + server.tp_size,
             backend=backend,

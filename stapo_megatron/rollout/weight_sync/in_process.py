@@ -64,7 +64,7 @@ def gather_to_controller(
 def _controller_stream(ctx, own: Iterator[FlatBucket], remote: dict[int, list]) -> Iterator[tuple[str, torch.Tensor]]:
     """The controller's own buckets and the other ranks' as one stream of (name, tensor) views."""
     ready: queue.Queue = queue.Queue(maxsize=2)
-    done = object()
+    thread_finished = object()  # each thread puts it last
 
     def produce_own() -> None:
         try:
@@ -74,7 +74,7 @@ def _controller_stream(ctx, own: Iterator[FlatBucket], remote: dict[int, list]) 
                 ready.put(bucket)
         except BaseException as err:  # noqa: BLE001 - handed to the consuming thread
             ready.put(err)
-        ready.put(done)
+        ready.put(thread_finished)
 
     def receive_remote() -> None:
         try:
@@ -88,7 +88,7 @@ def _controller_stream(ctx, own: Iterator[FlatBucket], remote: dict[int, list]) 
                 ready.put(bucket)
         except BaseException as err:  # noqa: BLE001 - handed to the consuming thread
             ready.put(err)
-        ready.put(done)
+        ready.put(thread_finished)
 
     threads = [threading.Thread(target=fn, daemon=True) for fn in (produce_own, receive_remote)]
     for thread in threads:
@@ -96,7 +96,7 @@ def _controller_stream(ctx, own: Iterator[FlatBucket], remote: dict[int, list]) 
     finished = 0
     while finished < len(threads):
         item = ready.get()
-        if item is done:
+        if item is thread_finished:
             finished += 1
         elif isinstance(item, BaseException):
             raise item

@@ -67,9 +67,7 @@ def rank_places(ctx, ranks_per_node: int) -> list[RankPlace]:
     (global rank // ranks per node, LOCAL_RANK = global rank % ranks per node)."""
     node, gpu = divmod(ctx.rank, ranks_per_node)
     me = RankPlace(ctx.rank, node, gpu, ctx.tp_rank, ctx.pp_rank, ctx.dp_rank, ctx.cp_rank)
-    places: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(places, me, group=ctx.cpu_group)
-    return places
+    return ctx.all_gather_object(me)
 
 
 class WeightSync:
@@ -126,9 +124,7 @@ class WeightSync:
                 (walk[id(entries[-1])], layout)
                 for layout, entries in plan_buckets(stage, ctx.tp_rank, self.plan.bucket_bytes)
             ]
-        everyone: list[Any] = [None] * ctx.world_size
-        dist.all_gather_object(everyone, own, group=ctx.cpu_group)
-        layouts: RankLayouts = dict(enumerate(everyone))
+        layouts: RankLayouts = dict(enumerate(ctx.all_gather_object(own)))
         export = functools.partial(iter_rank_buckets, model, arch, ctx, bucket_bytes=self.plan.bucket_bytes)
         buckets = export if self.exporting else None
         self._update(self._planned_names(layouts), layouts, buckets, version)
