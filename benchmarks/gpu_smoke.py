@@ -93,8 +93,10 @@ def _megatron_logits_rank(hf_dir: str, dtype_name: str, ids_file: str, out_file:
 
     ctx = init_distributed(ParallelConfig())
     arch = Qwen3Config.from_hf(hf_dir)
-    model = build_stage(arch, params_dtype=getattr(torch, dtype_name), perform_initialization=False, device=ctx.device)
-    fill_from_hf(model, arch, HFCheckpoint(hf_dir))
+    model = build_stage(
+        arch, ctx, params_dtype=getattr(torch, dtype_name), perform_initialization=False, device=ctx.device
+    )
+    fill_from_hf(model, arch, HFCheckpoint(hf_dir), ctx)
     ids = torch.load(ids_file, weights_only=True).to(ctx.device)
     positions = torch.arange(ids.shape[1], device=ctx.device).unsqueeze(0)
     batches = [{"input_ids": ids[i : i + 1], "position_ids": positions} for i in range(ids.shape[0])]

@@ -217,7 +217,7 @@ def measure(report: str, variant: str, prompts: int, group: int, cap: int, budge
 
     ctx = init_distributed(ParallelConfig(), seed=1)
     arch = Qwen3Config(**SMALL_QWEN3)
-    reference = build_stage(arch)
+    reference = build_stage(arch, ctx)
     weights = {k: v.clone() if torch.is_tensor(v) else v for k, v in reference.state_dict().items()}
     batch = rollout(prompts, group, cap, arch.vocab_size)
     tokens = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
@@ -237,7 +237,7 @@ def measure(report: str, variant: str, prompts: int, group: int, cap: int, budge
             parallel=SimpleNamespace(sequence_parallel=False),
             algo=AlgoConfig(),
         )
-        model = build_stage(arch, calculate_per_token_loss=True)
+        model = build_stage(arch, ctx, calculate_per_token_loss=True)
         model.load_state_dict(weights)
         ddp = DistributedDataParallel(
             config=model.config,

@@ -167,7 +167,9 @@ def run_rank(path: str, size: str, dtype_name: str, bucket_bytes: int, out_dir: 
 
     ctx = init_distributed(ParallelConfig(tensor_parallel=TP, pipeline_parallel=PP))
     arch = Qwen3Config(**SIZES[size], tie_word_embeddings=False)
-    model = build_stage(arch, params_dtype=getattr(torch, dtype_name), perform_initialization=False, device=ctx.device)
+    model = build_stage(
+        arch, ctx, params_dtype=getattr(torch, dtype_name), perform_initialization=False, device=ctx.device
+    )
     with torch.no_grad():
         for param in model.parameters():
             param.uniform_(-0.02, 0.02)  # random, and every page touched before the measurement

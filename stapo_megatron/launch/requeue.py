@@ -124,7 +124,12 @@ srun() {{
     local pid=$! code
     # wait returns early (> 128) when the trap runs; wait again until the step has ended
     while :; do wait "$pid"; code=$?; kill -0 "$pid" 2>/dev/null || break; done
-    if [ "$stapo_stopping" = 0 ] && [ "$code" = 0 ]; then
+    if [ "$code" = 0 ] && {{ [ "$stapo_stopping" = 0 ] || [ -e {stop_file} ]; }}; then
+        # the step ended on its own: the run is complete (one that stopped for USR1 removed the STOP file)
+        if [ "$stapo_stopping" = 1 ]; then
+            rm -f {stop_file}
+            echo "stapo: the run completed before it saw the stop request; the job ends"
+        fi
         return 0
     fi
     local restarts=${{SLURM_RESTART_COUNT:-0}}

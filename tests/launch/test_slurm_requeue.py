@@ -137,12 +137,14 @@ def test_dryrun_asks_for_the_signal_and_carries_the_trap(nemorun_home, capsys, m
 # ---- the generated bash, run with stand-ins for srun and scontrol -------------------------------
 
 _FAKE_SRUN = """#!/bin/bash
-# a job step: exits $FAKE_EXIT at once, or (FAKE_EXIT=stop) runs until the run's STOP file appears
+# a job step: exits $FAKE_EXIT at once, or (FAKE_EXIT=stop or complete) runs until the run's STOP file appears
 touch "$FAKE_DIR/started"
 echo "$STAPO_ALLOCATION_STARTED" > "$FAKE_DIR/allocation_started"
-if [ "$FAKE_EXIT" = stop ]; then
+if [ "$FAKE_EXIT" = stop ] || [ "$FAKE_EXIT" = complete ]; then
     while [ ! -f "$FAKE_RUN/STOP" ]; do sleep 0.05; done
-    rm "$FAKE_RUN/STOP"; exit 0
+    # stop: rank 0 agrees to stop and removes the file; complete: the last step was already past it
+    [ "$FAKE_EXIT" = stop ] && rm "$FAKE_RUN/STOP"
+    exit 0
 fi
 exit "$FAKE_EXIT"
 """
@@ -204,6 +206,14 @@ def test_usr1_stops_the_run_and_requeues_the_job(tmp_path):
     assert not (run_dir / "STOP").exists()  # the step saw it (and removed it, as rank 0 does)
 
 
+def test_a_run_that_completes_as_usr1_comes_ends_the_job(tmp_path):
+    run_dir = tmp_path / "run"
+    code, out, scontrol = _batch_shell(tmp_path, run_dir, "complete", 1, usr1=True)
+    assert "stapo: the run completed before it saw the stop request; the job ends" in out
+    assert scontrol == "" and code == 0 and "not complete" not in out
+    assert not (run_dir / "STOP").exists()  # no stop request left for a later run in the directory
+
+
 def test_a_failed_step_requeues_the_job(tmp_path):
     code, out, scontrol = _batch_shell(tmp_path, tmp_path / "run", "75", None, usr1=False)
     assert "the run is not complete (step exit 75, stopped for time: 0); requeue 1 of at most 2" in out
@@ -257,9 +267,10 @@ def _allocation_for_three(tmp_path: Path, env: dict) -> tuple[int, int]:
     is the shortest whole number of minutes whose earliest USR1 (LEAD_S + SLURM_CHECK_PERIOD_S before
     it) comes at least 5 s after the start-up: a start-up longer than the earliest signal would make
     each allocation train about one step. USR1 comes at the latest LEAD_S before the limit, so one
-    allocation trains at most limit - LEAD_S - start-up seconds; run.steps is 2.1 times what that
-    allows (the 0.1 for a step time that drifts). The signal's 30 s window makes the chain 3 to 5
-    allocations long.
+    allocation trains at most limit - LEAD_S - start-up seconds; run.steps is 2.6 times what that
+    allows (the 0.6 for a step time that drifts: the chain's steps can run faster than the
+    calibration's, and two allocations that finish the run would leave nothing to requeue). The
+    signal's 30 s window makes the chain 3 to 6 allocations long.
     """
     from tests.trainer.runs import metrics, train_command
 
@@ -272,7 +283,7 @@ def _allocation_for_three(tmp_path: Path, env: dict) -> tuple[int, int]:
     minutes = max(2, minutes)
     assert minutes <= MOST_MINUTES, f"start-up takes {start_up:.0f} s here: allocations would be {minutes} minutes"
     most_per_allocation = (60 * minutes - LEAD_S - start_up) / per_step
-    return minutes, max(30, math.ceil(2.1 * most_per_allocation))
+    return minutes, max(30, math.ceil(2.6 * most_per_allocation))
 
 
 @pytest.mark.slow
@@ -347,7 +358,12 @@ def test_short_allocations_finish_a_longer_run_bit_identical(slurm_cluster, tmp_
     assert stopped == sorted(stopped) and 0 < stopped[0] and stopped[-1] < steps
     batch_log = (job_dir / f"sbatch_stapo.chain_{job_id}.out").read_text().splitlines()  # with bash's -vx echo
     usr1 = f"stapo: USR1, the time limit is {LEAD_S} s away"
-    assert sum(line.startswith(usr1) for line in batch_log) == len(states) - 1
+    # the last allocation may get USR1 too, as its run completes: the job then ends, nothing requeued
+    completed_first = sum(
+        line.startswith("stapo: the run completed before it saw the stop request") for line in batch_log
+    )
+    assert completed_first <= 1
+    assert sum(line.startswith(usr1) for line in batch_log) == len(states) - 1 + completed_first
     assert [line for line in batch_log if line.startswith("stapo: the run is not complete")] == [
         f"stapo: the run is not complete (step exit 0, stopped for time: 1); requeue {i} of at most 8"
         for i in range(1, len(states))
