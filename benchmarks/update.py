@@ -207,7 +207,7 @@ def measure(report: str, variant: str, prompts: int, group: int, cap: int, budge
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from stapo_megatron.loss import AlgoConfig
+    from stapo_megatron.loss import AlgoConfig, resolve_rollout_correction
     from stapo_megatron.models.qwen3.config import Qwen3Config
     from stapo_megatron.models.qwen3.parallelize import build_stage
     from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
@@ -235,7 +235,7 @@ def measure(report: str, variant: str, prompts: int, group: int, cap: int, budge
             compute=SimpleNamespace(logits_chunk_size=256),
             run=SimpleNamespace(seed=0),
             parallel=SimpleNamespace(sequence_parallel=False),
-            algo=AlgoConfig(),
+            algo=resolve_rollout_correction(AlgoConfig(), 0),
         )
         model = build_stage(arch, ctx, calculate_per_token_loss=True)
         model.load_state_dict(weights)

@@ -1,5 +1,6 @@
 # Shared by run_qwen3_*.sh: convert the Hugging Face checkpoint at the training layout, then submit.
-# The caller sets SIZE, KEY, NODES, TP and PP; everything else comes from the environment:
+# The caller sets SIZE, KEY, NODES, TP and PP (and VARIANT=_async for configs/qwen3_<KEY>_stapo_async.yaml);
+# everything else comes from the environment:
 #
 #   HF_MODEL     Hugging Face directory of Qwen3-$SIZE-Base        (default models/Qwen3-$SIZE-Base)
 #   DATA         DAPO-Math-17k parquet                              (default data/dapo_math_17k.parquet)
@@ -36,6 +37,6 @@ elif [[ -z "${SKIP_CONVERT:-}" && ! -e "$CKPT" ]]; then
     stapo convert hf-to-megatron --hf "$HF_MODEL" --out "$CKPT" --tp "$TP" --pp "$PP" --dtype bfloat16
 fi
 
-exec stapo submit --config "$REPO/configs/qwen3_${KEY}_stapo.yaml" --executor slurm "${submit_flags[@]}" \
+exec stapo submit --config "$REPO/configs/qwen3_${KEY}_stapo${VARIANT:-}.yaml" --executor slurm "${submit_flags[@]}" \
     checkpoint.load_megatron="$CKPT" tokenizer="$HF_MODEL" rollout.sglang.model_path="$HF_MODEL" \
     data.source="$DATA" eval.data_dir="$EVAL_DIR" "$@"

@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 from stapo_megatron.checkpoint.dist import (
     ASSETS_DIR,
-    COMMON_FILE,
     common_field,
     foreign_entry,
     load_common,
@@ -52,6 +51,7 @@ from stapo_megatron.checkpoint.hf_io import (
 )
 from stapo_megatron.checkpoint.integrity import verify_checkpoint
 from stapo_megatron.checkpoint.marker import COMPLETE_MARKER, check_complete
+from stapo_megatron.checkpoint.safe_load import common_state_source
 from stapo_megatron.config import ConfigError
 from stapo_megatron.models.qwen3.config import Qwen3Config
 from stapo_megatron.models.qwen3.parallelize import build_stage, check_layout
@@ -100,7 +100,7 @@ def read_meta(directory: str | Path) -> tuple[Qwen3Config, torch.dtype]:
     common = load_common(directory)
     if META_KEY not in common:
         raise ConfigError(f"{directory}: has no '{META_KEY}' metadata (not written by stapo_megatron)")
-    source = str(Path(directory) / COMMON_FILE)
+    source = common_state_source(directory)
     meta = common_field(common, META_KEY, dict, source)
     version = common_field(meta, "format", int, source, f"{META_KEY}.format")
     if version != 1:

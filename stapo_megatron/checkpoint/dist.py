@@ -29,7 +29,9 @@ from stapo_megatron.config import ConfigError
 if TYPE_CHECKING:
     from stapo_megatron.runtime.distributed import ParallelContext
 
-COMMON_FILE = "common.pt"  # megatron.core.dist_checkpointing's name for the non-sharded state
+# megatron.core.dist_checkpointing's file of the non-sharded state (0.16-0.18; 0.19 keeps that state in
+# the .distcp files: safe_load.common_state_source names where it is)
+COMMON_FILE = "common.pt"
 # Tokenizer and generation files carried with a checkpoint, so an export can restore them.
 ASSETS_DIR = "hf_assets"
 # What a checkpoint write puts in its directory (torch_dist's index, its temporary and data
@@ -196,10 +198,10 @@ def load_common(directory: str | Path) -> dict[str, Any]:
 
     check_complete(directory)
     safe_load.check_backend(directory)
-    common = safe_load.SafeCommonLoadStrategy().load_common(directory)
+    common = safe_load.load_common_state(directory)
     if not isinstance(common, dict) or not all(isinstance(k, str) for k in common):
         raise ConfigError(
-            f"{Path(directory) / COMMON_FILE}: holds {_kind(common)}"
+            f"{safe_load.common_state_source(directory)}: holds {_kind(common)}"
             f"{' with keys that are not strings' if isinstance(common, dict) else ''}, not a state dict"
         )
     return common
@@ -213,16 +215,9 @@ def load_dist(sharded_state: dict, directory: str | Path) -> dict:
     unrestricted (see :mod:`stapo_megatron.checkpoint.safe_load`); a refusal is a one-line
     ConfigError naming the file. Not verified against the checksums here (callers do that once).
     """
-    from megatron.core import dist_checkpointing
-
     from stapo_megatron.checkpoint import safe_load
 
     check_complete(directory)
     safe_load.check_backend(directory)
     with safe_load.one_line_errors(directory):
-        return dist_checkpointing.load(
-            sharded_state,
-            str(directory),
-            sharded_strategy=safe_load.SafeShardedLoadStrategy(),
-            common_strategy=safe_load.SafeCommonLoadStrategy(),
-        )
+        return safe_load.load(sharded_state, str(directory))

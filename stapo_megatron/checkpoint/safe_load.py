@@ -7,18 +7,23 @@ execution that pickle allows:
   unpickler (:mod:`~stapo_megatron.checkpoint.index_unpickler`), which admits only the names,
   opcodes and uses of them that a real index is made of, and then checked against itself and the
   files beside it (:mod:`~stapo_megatron.checkpoint.dcp_index`) before any data is read.
-- ``common.pt`` (the non-sharded state): ``torch.load(weights_only=True)``.
+- the common (non-sharded) state: ``common.pt`` (written by megatron-core 0.16-0.18), or from
+  0.19 on a sharded object ``common_state`` inside the ``__*.distcp`` files: either by
+  ``torch.load(weights_only=True)`` (:func:`load_common_state`);
 - sharded objects (the RNG states, Megatron's ``_extra_state`` entries), stored as byte items
   inside the ``__*.distcp`` files: ``torch.load(weights_only=True)``.
 
-Megatron's defaults load the first with ``pickle.load`` and the last with
-``torch.load(weights_only=False)``. The public extension point used here is the pair of load
-strategies that ``dist_checkpointing.load`` accepts: :class:`SafeShardedLoadStrategy` (a
-:class:`TorchDistLoadShardedStrategy` reading through :class:`SafeFileSystemReader` and
-:class:`SafeLoadPlanner`) and :class:`SafeCommonLoadStrategy`. ``metadata.json`` is JSON and is
-checked by :func:`check_backend`. Every file is opened only if it is a regular file
-(:mod:`stapo_megatron.checkpoint.files`). Every refusal is a one-line :class:`ConfigError` naming
-the file.
+Megatron loads the index with ``pickle.load``, the sharded objects (and 0.19's common state) with
+``torch.load(weights_only=False)``. 0.16 let a caller of ``dist_checkpointing.load`` choose the
+common strategy; 0.17 removed that choice and 0.19 reads its common state object through torch's
+default planner, so :func:`load` is ``dist_checkpointing.load``'s sequence of steps, composed of
+Megatron's own helpers, with the common state read by :func:`load_common_state` and the sharded
+state by :class:`SafeShardedLoadStrategy` (Megatron's :class:`TorchDistLoadShardedStrategy`
+reading through :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner`).
+``tests/checkpoint/test_safe_load.py`` compares both with the installed release's own load.
+``metadata.json`` is JSON and is checked by :func:`check_backend`. Every file is opened only if it
+is a regular file (:mod:`stapo_megatron.checkpoint.files`). Every refusal is a one-line
+:class:`ConfigError` naming the file.
 """
 
 from __future__ import annotations
@@ -34,10 +39,17 @@ from typing import Any
 
 import torch
 from megatron.core.dist_checkpointing.core import CheckpointingException
-from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.dict_utils import merge
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factory_merges
+from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
-from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
+from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+from megatron.core.dist_checkpointing.utils import extract_sharded_base, force_all_tensors_to_non_fp8
+from megatron.core.dist_checkpointing.validation import (
+    StrictHandling,
+    determine_global_metadata,
+    validate_integrity_and_strict_load,
+)
 from torch.distributed import checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
@@ -50,10 +62,13 @@ from torch.futures import Future
 from stapo_megatron.checkpoint.dcp_index import METADATA_FILE, first_line, read_dcp_metadata
 from stapo_megatron.checkpoint.files import open_regular
 from stapo_megatron.config import ConfigError
+from stapo_megatron.runtime.megatron_fixes import megatron_release
 
 CONFIG_FILE = "metadata.json"
 # Megatron's metadata.json is a few hundred bytes.
 MAX_CONFIG_BYTES = 1024**2
+# megatron-core 0.19+ stores the common state as this sharded object (one shard) in the .distcp files.
+COMMON_OBJECT = ShardedObject("common_state", None, (1,), (0,)).unique_key
 
 
 def _weights_only_reason(err: BaseException) -> str:
@@ -102,15 +117,48 @@ def check_backend(directory: str | os.PathLike) -> None:
         raise ConfigError(f"{path}: missing (not a Megatron distributed checkpoint)") from None
     except (ValueError, RecursionError) as err:
         raise ConfigError(f"{path}: not valid JSON ({first_line(err)})") from None
+    # megatron-core 0.16-0.18 write common_backend torch (common.pt); 0.19 none (the common state is a sharded object)
     if (
         not isinstance(config, dict)
         or config.get("sharded_backend") != "torch_dist"
-        or config.get("common_backend") != "torch"
+        or config.get("common_backend", "torch") != "torch"
     ):
         raise ConfigError(
-            f"{path}: not a torch_dist checkpoint (this project writes sharded_backend torch_dist, common_backend "
-            "torch)"
+            f"{path}: not a torch_dist checkpoint (this project reads sharded_backend torch_dist, with common_backend "
+            "torch or none)"
         )
+
+
+def common_state_source(directory: str | os.PathLike) -> str:
+    """Where a checkpoint's common state is, as error messages name it: its ``common.pt`` where that
+    exists (megatron-core 0.16-0.18; 0.19 also reads it first), else the object in the data files."""
+    path = Path(directory) / COMMON_STATE_FNAME
+    return str(path) if os.path.lexists(path) else f"{Path(directory)} (object {COMMON_OBJECT})"
+
+
+def load_common_state(directory: str | os.PathLike) -> Any:
+    """The common (non-sharded) state of a checkpoint of any tested release, by ``weights_only=True``:
+    ``common.pt``, or else 0.19's ``common_state`` object, located through the checked index."""
+    path = Path(directory) / COMMON_STATE_FNAME
+    if os.path.lexists(path):
+        return load_stored_object(path, str(path), map_location="cpu")
+    metadata = read_dcp_metadata(Path(directory) / METADATA_FILE)
+    stored = [info for index, info in metadata.storage_data.items() if index.fqn == COMMON_OBJECT]
+    if len(stored) != 1:
+        raise ConfigError(
+            f"{directory}: holds no common state (neither {COMMON_STATE_FNAME} nor one object {COMMON_OBJECT}; not a "
+            "complete distributed checkpoint)"
+        )
+    info = stored[0]
+    data_file = Path(directory) / info.relative_path
+    with open_regular(data_file) as f:  # the index was checked: the range lies inside the file
+        f.seek(info.offset)
+        data = f.read(info.length)
+    name = f"{data_file} (object {COMMON_OBJECT})"
+    wrapped = load_stored_object(io.BytesIO(data), name, map_location="cpu")
+    if not isinstance(wrapped, list) or len(wrapped) != 1:  # Megatron stores a shard's objects as a list
+        raise ConfigError(f"{name}: not a list of one object (damaged, or not written by megatron-core)")
+    return wrapped[0]
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -177,10 +225,11 @@ class SafeLoadPlanner(mcore_torch.MCoreLoadPlanner):
 
 
 class SafeShardedLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
-    """megatron-core 0.16.1's TorchDistLoadShardedStrategy, reading through the safe reader and planner."""
+    """The installed release's TorchDistLoadShardedStrategy, reading through the safe reader and planner."""
 
-    def load(self, sharded_state_dict, checkpoint_dir):
-        # The body of TorchDistLoadShardedStrategy.load with SafeFileSystemReader and SafeLoadPlanner.
+    def load(self, sharded_state_dict, checkpoint_dir, async_strategy: str = "mcore"):
+        # The steps of TorchDistLoadShardedStrategy.load (0.16.1 to 0.19.2) with SafeFileSystemReader and
+        # SafeLoadPlanner. ``async_strategy`` (0.17+) picks a cached metadata reader, which this never uses.
         flexible_shape_sharded_tensors = [
             sh_ten
             for sh_ten in mcore_torch.nested_values(sharded_state_dict)
@@ -198,16 +247,24 @@ class SafeShardedLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
         pyt_state_dict = mcore_torch.mcore_to_pyt_state_dict(sharded_state_dict, True)
         reader = SafeFileSystemReader(checkpoint_dir)
         reader.read_metadata()  # a refusal surfaces here as itself, not inside torch's collective wrapper
-        dcp.load_state_dict(
-            pyt_state_dict,
-            reader,
-            planner=SafeLoadPlanner(
-                shapes_validation_sharded_tensors=flexible_shape_sharded_tensors,
-                allow_shape_mismatch_sharded_tensors=allow_shape_mismatch_sharded_tensors,
-                checkpoint_dir=checkpoint_dir,
-            ),
+        release = megatron_release()
+        options: dict[str, Any] = {}
+        if release >= (0, 17):  # the state dict's nesting is kept as Megatron built it
+            options.update(flatten_state_dict=False, flatten_sharded_tensors=False)
+        if hasattr(self, "stream_ckpt_dequant"):  # 0.19: quantized tensors dequantized one at a time
+            options["stream_ckpt_dequant"] = self.stream_ckpt_dequant
+        planner = SafeLoadPlanner(
+            shapes_validation_sharded_tensors=flexible_shape_sharded_tensors,
+            allow_shape_mismatch_sharded_tensors=allow_shape_mismatch_sharded_tensors,
+            checkpoint_dir=checkpoint_dir,
+            **options,
         )
-        self.cached_global_metadata = reader.read_metadata()
+        if release >= (0, 18):  # each rank reads its own items, without collectives
+            dcp.load(pyt_state_dict, reader, planner=planner, no_dist=True)
+        else:
+            dcp.load_state_dict(pyt_state_dict, reader, planner=planner)
+        if getattr(self, "cache_metadata", True):  # 0.17+ keep it only when asked to
+            self.cached_global_metadata = reader.read_metadata()
         mcore_state_dict = {k: mcore_torch._unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
         mcore_state_dict = mcore_torch._replace_sharded_keys_with_state_dict_keys(
             mcore_state_dict, flat_mapping, rename_mapping
@@ -231,19 +288,25 @@ class SafeShardedLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
         return sharded_metadata
 
 
-class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
-    """``common.pt`` (and per-object ``.pt`` files, a format this project does not write) by ``weights_only=True``."""
-
-    def load_common(self, checkpoint_dir):
-        path = Path(checkpoint_dir) / COMMON_STATE_FNAME
-        return load_stored_object(path, str(path), map_location="cpu")
-
-    def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
-        def load_one(sh_obj: ShardedObject):
-            path = Path(checkpoint_dir) / f"{sh_obj.unique_key}.pt"
-            return load_stored_object(path, str(path))
-
-        return dict_list_map_inplace(load_one, sharded_objects_state_dict)
+def load(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike) -> dict:
+    """``dist_checkpointing.load(sharded_state_dict, checkpoint_dir)`` with its defaults (every
+    shard read once, unexpected keys allowed), nothing stored unpickled unrestricted. Collective
+    over the default process group, as Megatron's (its access-integrity check)."""
+    strategy = SafeShardedLoadStrategy()
+    if not getattr(strategy, "stream_ckpt_dequant", False):
+        force_all_tensors_to_non_fp8(sharded_state_dict)
+    sharded_state_dict, nonpersistent_state_dict, factories = load_preprocess(sharded_state_dict)
+    common_state_dict = load_common_state(checkpoint_dir)
+    if not isinstance(common_state_dict, dict) or not all(isinstance(k, str) for k in common_state_dict):
+        raise ConfigError(f"{common_state_source(checkpoint_dir)}: holds no state dict with string keys")
+    merge(common_state_dict, nonpersistent_state_dict)
+    sharded_state_dict, _ = extract_sharded_base(sharded_state_dict)
+    local_metadata, global_metadata = determine_global_metadata(sharded_state_dict)
+    sharded_state_dict, _, _ = validate_integrity_and_strict_load(
+        sharded_state_dict, StrictHandling.ASSUME_OK_UNEXPECTED, True, local_metadata, global_metadata
+    )
+    merge(common_state_dict, strategy.load(sharded_state_dict, checkpoint_dir))
+    return apply_factory_merges(common_state_dict, factories)
 
 
 @contextlib.contextmanager

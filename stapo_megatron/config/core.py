@@ -88,6 +88,7 @@ def option(
     le: float | None = None,
     lt: float | None = None,
     secret: bool = False,
+    key: str | None = None,
 ):
     """A documented config field. Mutable defaults (lists, dicts) are copied per instance.
 
@@ -96,6 +97,8 @@ def option(
     ``secret``: the value (every value, for a mapping) is shown as ``<redacted>`` by
     ``to_dict(cfg, redact=True)``, which is what goes to files, logs and metrics sinks, and left
     out of the section's repr.
+    ``key``: the name the field has in YAML, overrides and docs when it cannot be its Python name
+    (``rollout.async`` is the field ``async_``: ``async`` is a Python keyword).
     """
     if not doc:
         raise TypeError("every config field needs its documentation string")
@@ -103,9 +106,14 @@ def option(
         value = default
         factory = lambda: type(value)(value)  # noqa: E731
         default = dataclasses.MISSING
-    metadata = {"doc": doc, "bounds": Bounds(ge=ge, gt=gt, le=le, lt=lt), "secret": secret}
+    metadata = {"doc": doc, "bounds": Bounds(ge=ge, gt=gt, le=le, lt=lt), "secret": secret, "key": key}
     # repr=False: a secret stays out of reprs, so out of log lines and tracebacks that show the config
     return dataclasses.field(default=default, default_factory=factory, metadata=metadata, repr=not secret)
+
+
+def config_key(f: dataclasses.Field) -> str:
+    """The name of field ``f`` in YAML, overrides and docs (see ``option``'s ``key``)."""
+    return f.metadata.get("key") or f.name
 
 
 def field_doc(cls: type, name: str) -> str:
@@ -398,7 +406,7 @@ def build(cls: type, data: Any, where: str = "") -> Any:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where or 'config'}: expected a mapping of fields, got {data!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {config_key(f): f for f in dataclasses.fields(cls) if f.init}
     prefix = f"{where}." if where else ""
     unknown = sorted(set(data) - set(fields))
     removed = getattr(cls, "REMOVED_FIELDS", {})  # field -> what replaced it, for old configs
@@ -413,13 +421,13 @@ def build(cls: type, data: Any, where: str = "") -> Any:
     kwargs = {}
     for name, f in fields.items():
         if name in data:
-            kwargs[name] = coerce(hints[name], data[name], prefix + name)
-            _check_bounds(f.metadata.get("bounds"), kwargs[name], prefix + name)
+            kwargs[f.name] = coerce(hints[f.name], data[name], prefix + name)
+            _check_bounds(f.metadata.get("bounds"), kwargs[f.name], prefix + name)
             if f.metadata.get("secret"):
-                _refuse_redacted(kwargs[name], prefix + name)
+                _refuse_redacted(kwargs[f.name], prefix + name)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            if dataclasses.is_dataclass(hints[name]):
-                kwargs[name] = build(hints[name], {}, prefix + name)
+            if dataclasses.is_dataclass(hints[f.name]):
+                kwargs[f.name] = build(hints[f.name], {}, prefix + name)
             else:
                 raise ConfigError(f"{prefix}{name}: required field is missing")
     try:
@@ -498,7 +506,7 @@ def to_dict(cfg: Any, *, redact: bool = False) -> Any:
     (for everything written for people or tools: files, logs, wandb/TensorBoard)."""
     if dataclasses.is_dataclass(cfg):
         return {
-            f.name: _redacted(getattr(cfg, f.name))
+            config_key(f): _redacted(getattr(cfg, f.name))
             if redact and f.metadata.get("secret")
             else to_dict(getattr(cfg, f.name), redact=redact)
             for f in dataclasses.fields(cfg)
@@ -517,7 +525,7 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-            rows.extend(describe(tp, f"{prefix}{f.name}."))
+            rows.extend(describe(tp, f"{prefix}{config_key(f)}."))
             continue
         if f.default is not dataclasses.MISSING:
             default = repr(f.default)
@@ -529,5 +537,5 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
         bounds = f.metadata.get("bounds")
         if bounds:
             type_name += f" {bounds.text()}"
-        rows.append((prefix + f.name, type_name, default, f.metadata.get("doc", "")))
+        rows.append((prefix + config_key(f), type_name, default, f.metadata.get("doc", "")))
     return rows

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 class DataError(ValueError):
@@ -14,7 +15,9 @@ class PromptRecord:
     """A problem and its ground-truth answer.
 
     ``source`` is the benchmark or file the record came from and ``row`` its 1-based position
-    there (the line number for JSON lines), so any record can be traced back.
+    there (the line number for JSON lines), so any record can be traced back. ``extra`` is the row
+    itself, every field as read (a custom reward function gets it); {} for records not read from
+    rows (the synthetic task's).
     """
 
     uid: str
@@ -22,6 +25,7 @@ class PromptRecord:
     answer: str
     source: str
     row: int
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)

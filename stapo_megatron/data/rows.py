@@ -201,4 +201,6 @@ def row_to_record(row: Any, schema: RowSchema, source: str, row_number: int) -> 
         raise BadRow("missing_answer", f"field '{schema.answer_field}' is null")
     problem = _problem_text(problem_value, schema.problem_field)
     answer = _answer_text(answer_value, schema)
-    return PromptRecord(uid=f"{source}:{row_number}", problem=problem, answer=answer, source=source, row=row_number)
+    return PromptRecord(
+        uid=f"{source}:{row_number}", problem=problem, answer=answer, source=source, row=row_number, extra=dict(row)
+    )

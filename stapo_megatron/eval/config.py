@@ -12,6 +12,7 @@ from stapo_megatron.config.core import check_fields
 from stapo_megatron.data.benchmarks import BENCHMARKS, PAPER_BENCHMARKS
 from stapo_megatron.data.config import PROMPT_TEMPLATES
 from stapo_megatron.rewards.config import RewardConfig
+from stapo_megatron.rewards.pool import check_reward_function
 from stapo_megatron.rollout.config import RolloutConfig
 
 MAX_K = 1 << 16  # samples per problem
@@ -118,7 +119,10 @@ class EvalCommandConfig:
         doc="The engine that samples (local, or SGLang servers launched on the model or attached by URL).",
         factory=RolloutConfig,
     )
-    reward: RewardConfig = option(doc="Answer verification.", factory=RewardConfig)
+    reward: RewardConfig = option(
+        doc="Answer verification (the rules of reward.kind, or a reward function of your own with kind custom).",
+        factory=RewardConfig,
+    )
 
     def __post_init__(self):
         if bool(self.model) == bool(self.compare):
@@ -150,3 +154,5 @@ class EvalCommandConfig:
                 "eval.verifier_model: rollout.sglang.urls attaches to servers of the evaluated model; the verifier "
                 "needs servers launched on it (drop urls)"
             )
+        # Last: it starts a reward worker (the function's module is imported there, never here).
+        check_reward_function(self.reward)

@@ -53,8 +53,9 @@ class Evaluator:
         encoder = PromptEncoder.from_config(data_cfg, tokenizer)
         # Loaded and encoded now, so a bad benchmark file stops the run before its first step.
         self.tasks = load_tasks(eval_cfg, encoder)
-        # The benchmarks are math problems whatever the training task is (the synthetic one uses "exact").
-        self.reward_cfg = dataclasses.replace(reward_cfg, kind="math")
+        # The benchmarks are math problems whatever the training task is (the synthetic one uses "exact"), and
+        # runs trained with different rewards (a custom one too) are compared on the same verifier.
+        self.reward_cfg = dataclasses.replace(reward_cfg, kind="math", function="")
         temperature, top_p = eval_cfg.sampling
         kind = engine_kind(engine)
         if stop_token_ids is None:

@@ -70,7 +70,7 @@ RESULTS_FORMAT = 1
 LOCAL_PROBLEMS_PER_CALL = 1
 SERVER_PROBLEMS_PER_CALL = 64
 # Scores need no texts; keeping them out of memory bounds it however long the responses are.
-_TEXT_FIELDS = ("response", "answer")
+_TEXT_FIELDS = ("response", "answer", "detail")
 # What every evaluation's settings.json holds: how a directory stapo eval made is recognised.
 _SETTINGS_KEYS = frozenset({"model", "engine", "temperature", "top_p", "max_new_tokens", "seed"})
 
@@ -133,13 +133,16 @@ def engine_kind(engine: RolloutEngine) -> str:
 
 def prompt_settings(encoder: PromptEncoder, reward_cfg: RewardConfig) -> dict:
     """What decides the responses and their scores besides the model, the engine and the sampling."""
-    return {
+    settings = {
         "prompt_template": encoder.template,
         "chat_template": encoder.chat_template,
         "chat_template_kwargs": encoder.chat_template_kwargs,
         "reward_kind": reward_cfg.kind,
         "reward_max_answer_chars": reward_cfg.max_answer_chars,
     }
+    if reward_cfg.kind == "custom":  # only then: the settings of evaluations made before it existed still match
+        settings["reward_function"] = reward_cfg.function
+    return settings
 
 
 def group_seed(seed: int, benchmark: str, first_uid: str) -> int:
@@ -335,26 +338,31 @@ class EvalRun:
                     texts = [response_text(tokenizer, c.token_ids, c.finish_reason) for _, _, c in chosen]
                     if pool is None:
                         pool = RewardPool.from_config(reward_cfg)
-                    scores = pool.score(texts, [task.records[i].answer for i, _, _ in chosen])
+                    scores = pool.score(
+                        texts,
+                        [task.records[i].answer for i, _, _ in chosen],
+                        [task.records[i].extra for i, _, _ in chosen],
+                    )
                     new: list[dict[str, Any]] = []
                     for (i, sample, completion), text, score in zip(chosen, texts, scores):
                         record = task.records[i]
-                        new.append(
-                            {
-                                "benchmark": task.name,
-                                "uid": record.uid,
-                                "row": record.row,
-                                "sample": sample,
-                                "seed": seed,
-                                "answer": record.answer,
-                                "response": text,
-                                "extracted": score.extracted,
-                                "reward": score.reward,
-                                "reason": score.reason,
-                                "finish_reason": completion.finish_reason,
-                                "tokens": len(completion.token_ids),
-                            }
-                        )
+                        row = {
+                            "benchmark": task.name,
+                            "uid": record.uid,
+                            "row": record.row,
+                            "sample": sample,
+                            "seed": seed,
+                            "answer": record.answer,
+                            "response": text,
+                            "extracted": score.extracted,
+                            "reward": score.reward,
+                            "reason": score.reason,
+                            "finish_reason": completion.finish_reason,
+                            "tokens": len(completion.token_ids),
+                        }
+                        if score.detail is not None:  # a custom reward's reason, or why scoring failed
+                            row["detail"] = score.detail
+                        new.append(row)
                     self.store.append(new)
                     for row in new:
                         self.records[(task.name, row["uid"], row["sample"])] = _in_memory(row)

@@ -9,7 +9,7 @@ Megatron, torchrun and the node leaders will make it, without a GPU or a process
 * each process group's members (tensor, pipeline, data, context, model parallel, and the
   embedding group that ties the first and last stage's embeddings);
 * the SGLang servers of each node and their GPUs (:func:`plan_node_servers`: colocated servers on
-  the trainer's GPUs, disaggregated ones on the first node from ``base_gpu_id``);
+  the trainer's GPUs, disaggregated ones on every node from ``base_gpu_id``);
 * every weight-sync route (:func:`plan_routes`), checked here independently: every (stage, TP
   rank) share reaches every server exactly once, no NCCL group holds two processes on one GPU, no
   CUDA IPC crosses a node, no two servers share a GPU;
@@ -154,6 +154,14 @@ class JobLayout:
             lines.append(f"weight sync {self.mode}: {_routes_text(self.routes)}")
         else:
             lines.append("servers: none (the local engine generates in the trainer's processes)")
+        if m.on_gpus:
+            idle = (
+                m.nodes * m.gpus_per_node
+                - len(self.ranks)
+                - sum(len(s.gpus) for s in self.servers if not s.endpoint.colocated)
+            )
+            if idle:
+                lines.append(f"idle: {idle} GPU(s) run neither a trainer rank nor a server")
         if self.memory is not None:
             mem = self.memory
             phase, _ = mem.peak

@@ -155,6 +155,13 @@ def show_plan(cfg: PlanConfig, train) -> None:
     if cfg.check:
         show_layout_check(cfg, train)
         return
+    if cfg.async_:
+        from stapo_megatron.launch.split_plan import format_async_plan, plan_async
+
+        if train is None:
+            raise ConfigError("plan.async: splits a training config's job; give one (--config)")
+        print(format_async_plan(plan_async(cfg, train)))
+        return
     defaults = training_config_defaults(train) if train is not None else {}
     arch = build(Qwen3Config, cfg.model, "plan.model") if cfg.model else defaults.get("model")
     if arch is None:
@@ -248,6 +255,13 @@ _PLAN_FLAG_KINDS: tuple[tuple[str, FlagKind], ...] = (
     ("check", "true"),
     ("nodes", "value"),
     ("verbose", "true"),
+    ("async", "true"),
+    ("trainer_gpus_per_node", "value"),
+    ("response_tokens", "value"),
+    ("prompt_tokens", "value"),
+    ("decode_tokens_per_gpu_s", "value"),
+    ("train_tokens_per_gpu_s", "value"),
+    ("sync_pause_s", "value"),
 )
 FLAGS = tuple(Flag(f"--{name.replace('_', '-')}", f"plan.{name}", kind=kind) for name, kind in _PLAN_FLAG_KINDS) + (
     Flag("--no-distributed-optimizer", "plan.distributed_optimizer", kind="false"),

@@ -105,6 +105,54 @@ class PlanConfig:
         None, "Nodes of the checked layout (default: the config's world size / gpus_per_node).", ge=1, le=MAX_BATCH
     )
     verbose: bool = option(False, "With check: list every weight-sync route.")
+    async_: bool = option(
+        False,
+        "With a training config: the splits of the job's nodes x gpus_per_node GPUs between trainer and "
+        "disaggregated SGLang servers (rollout.async.max_staleness >= 1), each with its modelled step time, next "
+        "to the synchronous colocated layout's (stapo_megatron/launch/step_time.py).",
+        key="async",
+    )
+    trainer_gpus_per_node: int | None = option(
+        None,
+        "With async: model only the split with this many trainer GPUs per node (the rest serve), and refuse it if "
+        "it cannot work.",
+        ge=1,
+        le=MAX_BATCH,
+    )
+    response_tokens: float | None = option(
+        None,
+        "With async: expected mean response length in tokens (default: a third of the training config's "
+        "batch.max_new_tokens; the STAPO paper states no mean; set it from a run's response-length metric).",
+        gt=0,
+        le=MAX_TOKENS,
+    )
+    prompt_tokens: float = option(
+        108.0,
+        "With async: mean prompt length in tokens (default: DAPO-Math-17k's mean under the stapo template with the "
+        "Qwen3 tokenizer, measured).",
+        ge=0,
+        le=MAX_TOKENS,
+    )
+    decode_tokens_per_gpu_s: float | None = option(
+        None,
+        "With async: response tokens one server GPU decodes per second (default: derived from NeMo-RL v0.5's "
+        "Qwen3-32B runs on H100, scaled by parameters; step_time.py says how).",
+        gt=0,
+        le=1e9,
+    )
+    train_tokens_per_gpu_s: float | None = option(
+        None,
+        "With async: sequence tokens one trainer GPU trains on per second (default: derived like "
+        "decode_tokens_per_gpu_s).",
+        gt=0,
+        le=1e9,
+    )
+    sync_pause_s: float | None = option(
+        None,
+        "With async: seconds one weight sync pauses a step (default: 16 for Qwen3-32B, scaled by parameters).",
+        ge=0,
+        le=1e6,
+    )
 
 
 def training_config_defaults(cfg) -> dict:

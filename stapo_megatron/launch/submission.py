@@ -139,10 +139,13 @@ def resolve_processes(options: SubmitOptions, cfg: TrainConfig) -> Processes:
     if options.executor == "local" and options.nodes != 1:
         raise ConfigError(f"--nodes: the local executor runs on this machine only (1 node), got {options.nodes}")
     gpus, procs = options.gpus_per_node, options.procs_per_node
+    sglang = cfg.rollout.sglang
+    # disaggregated servers launched beside the trainer take the GPUs its ranks leave on every node
+    beside = cfg.rollout.engine == "sglang" and sglang.launches and not sglang.colocated
     if procs is None:
         if gpus == 0:
             raise ConfigError("--procs-per-node: required on CPU nodes (--gpus-per-node 0): processes per node")
-        if gpus is None:
+        if gpus is None or (beside and world % options.nodes == 0):
             if world % options.nodes:
                 raise ConfigError(
                     f"--nodes: {options.nodes} nodes cannot hold the {world} ranks of the config's layout "
@@ -178,13 +181,13 @@ def check_rollout_placement(cfg: TrainConfig, procs: Processes) -> list[str]:
         # every node's local rank 0 starts one server per tp_size of its GPUs
         plan_node_servers(sglang, procs.per_node, procs.nodes)
     elif launching:
-        # disaggregated: the first node's leader starts the servers on GPUs the trainer does not use
+        # disaggregated: every node's leader starts its servers on GPUs the trainer does not use
         needed = sglang.base_gpu_id + sglang.num_servers * sglang.tp_size
         if needed > procs.gpus_per_node:
             raise ConfigError(
                 f"rollout.sglang: {sglang.num_servers} server(s) x tp_size {sglang.tp_size} from GPU "
                 f"{sglang.base_gpu_id} "
-                f"need GPUs 0..{needed - 1} of the first node, which has {procs.gpus_per_node} (--gpus-per-node)"
+                f"need GPUs 0..{needed - 1} of each node, which has {procs.gpus_per_node} (--gpus-per-node)"
             )
         if not sglang.colocated and sglang.base_gpu_id < procs.per_node:
             raise ConfigError(
@@ -193,7 +196,14 @@ def check_rollout_placement(cfg: TrainConfig, procs: Processes) -> list[str]:
                 f"set it to >= {procs.per_node} or set rollout.sglang.placement: colocated"
             )
     spare = procs.gpus_per_node - procs.per_node
-    if spare > 0 and not (launching and not cfg.rollout.sglang.colocated):
+    if launching and not sglang.colocated:
+        from stapo_megatron.rollout.node_servers import plan_node_servers
+
+        counts = plan_node_servers(sglang, procs.per_node, procs.nodes)
+        idle = sum(spare - count * sglang.tp_size for count in counts)
+        if idle > 0:
+            notes.append(f"{idle} requested GPU(s) run no trainer rank and no SGLang server")
+    elif spare > 0:
         notes.append(f"{spare} GPU(s) per node are requested but run no trainer rank and no SGLang server")
     return notes
 

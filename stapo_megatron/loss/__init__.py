@@ -20,7 +20,7 @@ from stapo_megatron.loss.advantages import (
     group_advantages,
     overlong_penalty,
 )
-from stapo_megatron.loss.config import AlgoConfig
+from stapo_megatron.loss.config import AlgoConfig, resolve_rollout_correction
 from stapo_megatron.loss.logprob_entropy import DEFAULT_CHUNK_SIZE, vocab_parallel_logprob_entropy
 from stapo_megatron.loss.metrics import all_reduce_metrics, reduce_metrics
 from stapo_megatron.loss.objectives import OBJECTIVES, Objective, get_objective, register_objective, token_seed
@@ -84,6 +84,7 @@ __all__ = [
     "rollout_correction",
     "register_objective",
     "register_token_rule",
+    "resolve_rollout_correction",
     "s2t_candidates",
     "s2t_threshold",
     "select_tokens",

@@ -13,8 +13,9 @@ REWARD_SCALES = ("binary", "signed")
 
 
 def correctness_reward(correct: torch.Tensor, scale: str) -> torch.Tensor:
-    """The reward of each response from its verdict (1 correct, 0 not): ``binary`` keeps 1 / 0 (the
-    STAPO paper's R in {0, 1}); ``signed`` gives +1 / -1, as DAPO's verifier
+    """The reward of each response from its verdict (1 correct, 0 not, a score between for a custom
+    reward's partial credit): ``binary`` keeps it (the STAPO paper's R in {0, 1}); ``signed`` maps it
+    linearly onto [-1, 1] (+1 / -1 for verdicts), as DAPO's verifier
     (verl ``utils/reward_score/math_dapo.py``: ``1.0 if correct else -1.0``), which JustRL and the
     20-Entropy reference code also use. DAPO's overlong penalty (:func:`overlong_penalty`, in
     [-1, 0]) is defined on the signed scale; on the binary one it would weigh twice as much.
@@ -22,8 +23,8 @@ def correctness_reward(correct: torch.Tensor, scale: str) -> torch.Tensor:
     if scale not in REWARD_SCALES:
         raise ValueError(f"scale: {scale!r} is not one of {', '.join(REWARD_SCALES)}")
     correct = correct.to(torch.float32)
-    if not bool(((correct == 0) | (correct == 1)).all()):
-        raise ValueError("correct: expected verdicts of 0 or 1")
+    if not bool(((correct >= 0) & (correct <= 1)).all()):
+        raise ValueError("correct: expected verdicts or scores in [0, 1]")
     return 2.0 * correct - 1.0 if scale == "signed" else correct
 
 

@@ -179,20 +179,26 @@ class AlgoConfig:
     overlong_buffer: int = option(4096, "Overlong shaping: length of the penalty ramp in tokens.", ge=1, le=MAX_TOKENS)
     overlong_penalty_factor: float = option(1.0, "Overlong shaping: penalty at (and beyond) the maximum length.", ge=0)
 
-    # --- rollout correction (train/rollout mismatch) ---
-    rollout_correction: Literal["none", "tis_token", "tis_seq", "tis_geo", "mis_token", "mis_seq", "mis_geo"] = option(
-        "none",
-        "Correct for pi_old (trainer) != pi_rollout (engine) with w = pi_old / pi_rollout: tis_token "
-        "multiplies each token's policy-gradient term by min(w_t, cap) (slime --use-tis); tis_seq by "
-        "min(prod_t w_t, cap) of its sequence (verl rollout_is: sequence); mis_token drops tokens with "
-        "w_t outside [floor, cap] and mis_seq whole sequences with prod_t w_t outside it (verl rollout_rs "
-        "token_k1 / seq_sum_k1); *_geo use the sequence's geometric mean of w_t instead of the product "
-        "(verl Geo-RS, seq_mean_k1). none: no correction (the paper's setting); the mismatch is logged either way.",
+    # --- rollout correction (train/rollout mismatch, and staleness under async rollouts) ---
+    rollout_correction: Literal[
+        "auto", "none", "tis_token", "tis_seq", "tis_geo", "mis_token", "mis_seq", "mis_geo"
+    ] = option(
+        "auto",
+        "Correct for pi_old (the trainer's weights at the step's start) != pi_rollout (the engine's "
+        "per-token log-probs, of whichever weight version sampled each token) with w = pi_old / "
+        "pi_rollout: tis_token multiplies each token's policy-gradient term by min(w_t, cap) (slime "
+        "--use-tis); tis_seq by min(prod_t w_t, cap) of its sequence (verl rollout_is: sequence); "
+        "mis_token drops tokens with w_t outside [floor, cap] and mis_seq whole sequences with prod_t w_t "
+        "outside it (verl rollout_rs token_k1 / seq_sum_k1); *_geo use the sequence's geometric mean of "
+        "w_t instead of the product (verl Geo-RS, seq_mean_k1). none: no correction (the paper's "
+        "setting). auto: none in the synchronous loop (rollout.async.max_staleness 0, as the paper), "
+        "tis_token when generation runs ahead of training (max_staleness > 0; docs/async.md). The "
+        "mismatch is logged either way.",
     )
     rollout_correction_cap: float = option(
         2.0,
         "Rollout correction: TIS truncation C and MIS upper bound (slime --tis-clip and verl "
-        "rollout_is_threshold both default to 2.0).",
+        "rollout_is_threshold both default to 2.0; also auto's cap under async rollouts).",
         gt=1,
     )
     rollout_correction_floor: float | None = option(
@@ -216,3 +222,18 @@ class AlgoConfig:
                 "aggregation: objective gspo averages each sequence's token terms (its sequence objective; "
                 "verl hard-codes seq-mean-token-mean), set aggregation: seq_mean_token_mean"
             )
+
+
+def resolve_rollout_correction(algo: AlgoConfig, max_staleness: int) -> AlgoConfig:
+    """``algo`` with a concrete ``rollout_correction``: ``auto`` becomes ``none`` in the synchronous
+    loop (``max_staleness`` 0: the paper's objective, bit-identical to a run without the field) and
+    ``tis_token`` (capped at ``rollout_correction_cap``) when generation runs ahead of training
+    (``max_staleness`` > 0: samples of weights up to that many versions old; docs/async.md, "The
+    objective off-policy"). Any other value is the user's choice and stays. Returns a copy;
+    :class:`~stapo_megatron.loss.policy.PolicyLoss` refuses an unresolved ``auto``."""
+    if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+        raise ConfigError(f"rollout.async.max_staleness: must be an integer >= 0, got {max_staleness!r}")
+    mode = algo.rollout_correction
+    if mode == "auto":
+        mode = "tis_token" if max_staleness > 0 else "none"
+    return dataclasses.replace(algo, rollout_correction=mode)

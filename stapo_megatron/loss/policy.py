@@ -1,22 +1,49 @@
-"""The clipped policy-gradient loss (clip-higher, dual-clip), with the token mask, optional KL and
-entropy terms and the rollout correction.
+"""The policy loss: the decoupled clipped surrogate (clip-higher, dual-clip) over the tokens the
+token rule keeps, weighted by the rollout correction, with optional KL and entropy terms.
 
-Per token t with weight w_t (``keep``), ratio r = exp(clamp(logprob - old_logprob, -c, c)) with
-c = ``log_ratio_clamp`` (veRL's +-20), advantage A and rollout-correction factor rho_t
-(:mod:`.rollout_correction`; 1 without it):
+Three policies (decoupled PPO: Hilton, Cobbe & Schulman 2021, "Batch size-invariance for policy
+optimization", arXiv 2110.00641; the asynchronous form with a proximal policy: AReaL, Fu et al.
+2025, arXiv 2505.24298):
 
-    pg_t = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))     (objective ppo_clip; see .objectives for the others)
-    pg_t = min(pg_t, -A clip_ratio_c)           where A < 0 (dual-clip, veRL's clip_ratio_c)
-    l_t  = rho_t pg_t + kl_coef * k(log(pi_ref / pi)) - entropy_coef * H_t    (k: kl_estimate's k1/k2/k3)
+- pi_theta: the weights being updated; ``logprob`` carries their gradient;
+- pi_prox: the trainer's weights at the start of the rollout step, before its first optimizer step
+  (``old_logprob``: the old-log-prob pass of ``trainer/update.py``); the anchor of the clip;
+- mu: the behaviour policy, the engine's log-prob of each token as it sampled it
+  (``rollout_logprob``), under whichever weight version produced that token; with asynchronous and
+  partial rollouts one sequence can hold tokens of several versions, and mu is per token.
 
-Masked importance sampling (``mis_*``) removes the tokens it rejects from both sums below.
+Per response token t of sequence i, with advantage A_i and the token rule's keep weight I_t
+(``keep``; S2T: 0 on a silenced token, 1 elsewhere), none of which carries a gradient:
 
-:class:`PolicyLoss` is built once from the algorithm config (checked there) and called per
-micro-batch with its :class:`LossInputs`. ``token_mean`` returns (sum_t w_t l_t, #{t : w_t > 0});
-Megatron's ``calculate_per_token_loss`` sums both over micro-batches and data-parallel ranks and
-divides, which gives STAPO's
-renormalization over the surviving tokens of the whole mini-batch. ``seq_mean_token_mean``
-returns (sum over sequences of their token mean, #sequences with a kept token).
+    r_t   = exp(clamp(log pi_theta(o_t) - log pi_prox(o_t), -c, c))     c = log_ratio_clamp (veRL's 20)
+    pg_t  = max(-A_i r_t, -A_i clip(r_t, 1 - eps_low, 1 + eps_high))    (ppo_clip; the others: .objectives)
+    pg_t  = min(pg_t, -A_i clip_ratio_c)                                 where A_i < 0 (dual-clip)
+    w_t   = exp(clamp(log pi_prox(o_t) - log mu(o_t), -20, 20))          (.rollout_correction)
+    rho_t = min(w_t, C) for tis_token; min(prod_s w_s, C) over i's response tokens s for tis_seq
+            (their geometric mean for tis_geo); 1 for none and mis_*     C = rollout_correction_cap
+    a_t   = 1[floor <= w_t <= C] for mis_token (the sequence's product / geometric mean for
+            mis_seq / mis_geo); 1 otherwise
+    l_t   = rho_t pg_t + kl_coef * k(log pi_ref - log pi_theta) - entropy_coef * H_t
+            (k: kl_estimate's k1/k2/k3; the KL and entropy terms are not importance-weighted)
+
+Over the active tokens K = {t : I_t > 0 and a_t = 1} of the whole optimizer mini-batch:
+
+    token_mean:           L = sum_{t in K} I_t l_t / |K|
+    seq_mean_token_mean:  L = sum_i (sum_{t in K_i} I_t l_t / |K_i|) / #{i : K_i not empty}
+
+so grad L = sum_{t in K} I_t rho_t grad pg_t / |K| (token_mean, no KL or entropy term): the ratio
+is clipped against pi_prox, the importance weight corrects the samples from mu to pi_prox, and
+masked importance sampling removes its rejected tokens from numerator and count alike. With
+mu = pi_prox (on-policy) and ``none`` this is the STAPO paper's objective. The exact objective
+off-policy, with its sources, is in docs/async.md ("The objective off-policy").
+
+:class:`PolicyLoss` is built once from the algorithm config (checked there; ``rollout_correction:
+auto`` must have been resolved by :func:`~stapo_megatron.loss.config.resolve_rollout_correction`)
+and called per micro-batch with its :class:`LossInputs`. ``token_mean`` returns
+(sum_t I_t l_t, #{t in K}); Megatron's ``calculate_per_token_loss`` sums both over micro-batches
+and data-parallel ranks and divides, which gives STAPO's renormalization over the surviving tokens
+of the whole mini-batch. ``seq_mean_token_mean`` returns (sum over sequences of their token mean,
+#sequences with a kept token).
 """
 
 from __future__ import annotations
@@ -74,14 +101,15 @@ class LossInputs:
     """The tensors of one micro-batch, each shaped like ``logprob`` (``advantages`` may be per sequence)."""
 
     logprob: torch.Tensor  # log pi_theta of the sampled tokens, carrying the gradient
-    old_logprob: torch.Tensor  # log pi_old, the policy before this step's first update
+    old_logprob: torch.Tensor  # log pi_prox: the trainer's weights before this step's first update
     advantages: torch.Tensor  # per token or per sequence
     keep: torch.Tensor  # per-token weight of the token rule: 0 on padding and on silenced tokens
     # nonzero on real response tokens (default: the tokens with keep > 0); feeds only the metrics
     response_mask: torch.Tensor | None = None
     entropy: torch.Tensor | None = None  # H_t; carries a gradient when entropy_coef > 0
     ref_logprob: torch.Tensor | None = None  # the frozen reference's log-probs (KL term, ref_kl_sum)
-    rollout_logprob: torch.Tensor | None = None  # the engine's sampled log-probs (rollout correction)
+    # log mu: the engine's log-prob of each token as it sampled it, of any weight version (rollout correction)
+    rollout_logprob: torch.Tensor | None = None
     # each token's sequence, for packed rows; without it each row of a 2-D logprob is one sequence
     segment_ids: torch.Tensor | None = None
     candidates: torch.Tensor | None = None  # the token rule's candidates, for the metrics
@@ -107,6 +135,11 @@ class PolicyLoss:
         if algo.clip_ratio_c <= 1:
             raise ValueError(
                 f"clip_ratio_c: must be > 1 (dual-clip caps -A r at -A clip_ratio_c), got {algo.clip_ratio_c}"
+            )
+        if algo.rollout_correction == "auto":
+            raise ValueError(
+                "algo.rollout_correction: 'auto' is unresolved; resolve_rollout_correction(algo, "
+                "rollout.async.max_staleness) makes it none or tis_token before the loss is built"
             )
         if algo.rollout_correction not in ROLLOUT_CORRECTIONS:
             raise ValueError(

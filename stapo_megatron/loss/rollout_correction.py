@@ -1,5 +1,9 @@
 """Rollout correction: the trainer's pi_old and the engine's pi_rollout differ (bf16 sampler vs
-Megatron, kernels, TP layouts), so the "on-policy" samples are slightly off-policy.
+Megatron, kernels, TP layouts), so the "on-policy" samples are slightly off-policy; under
+asynchronous rollouts (``rollout.async.max_staleness`` k > 0) each token was also sampled by
+weights up to k versions older than pi_old, a sequence's tokens possibly by different versions.
+pi_rollout is then per token what sampled it, and the weights below correct for both (decoupled
+PPO, pi_old the proximal policy: :mod:`.policy`, docs/async.md).
 
 With w_t = pi_old(o_t) / pi_rollout(o_t) (from the old-log-prob pass and the engine's sampled
 log-probs), the decoupled corrections of verl's rollout correction (docs/algo/rollout_corr.md)

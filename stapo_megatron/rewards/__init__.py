@@ -1,4 +1,5 @@
-"""Rewards: the final boxed answer of a response checked against the ground truth.
+"""Rewards: the final boxed answer of a response checked against the ground truth, or a
+user-defined reward function (``reward.kind: custom``).
 
 Importing this package is cheap (no sympy, no torch): verification runs in worker processes
 that :class:`RewardPool` starts.
@@ -13,7 +14,7 @@ from stapo_megatron.rewards.extract import (
     free_words_answer,
     normalize_exact,
 )
-from stapo_megatron.rewards.pool import RewardPool
+from stapo_megatron.rewards.pool import RewardPool, check_reward_function
 from stapo_megatron.rewards.result import REASONS, RewardResult, summarize_reasons
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "RewardConfig",
     "RewardPool",
     "RewardResult",
+    "check_reward_function",
     "exact_answer",
     "extract_boxed",
     "find_last_box",

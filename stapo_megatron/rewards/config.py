@@ -7,9 +7,10 @@ from typing import Literal
 
 from stapo_megatron.config import MAX_TOKENS, ConfigError, option
 from stapo_megatron.config.core import check_fields
+from stapo_megatron.rewards.custom import FUNCTION_SPEC
 from stapo_megatron.rewards.dapo_math import DapoAnswer
 
-RewardKind = Literal["math", "dapo", "exact", "free_words"]
+RewardKind = Literal["math", "dapo", "exact", "free_words", "custom"]
 
 
 @dataclasses.dataclass
@@ -23,7 +24,21 @@ class RewardConfig:
         "algo.reward_scale signed; exact: the last box, "
         "or the whole response when it has none, must equal the answer string after whitespace "
         "normalization; free_words (the synthetic task): the response's first word must equal the answer and "
-        "every word after it be a free word w0, w1, ...; exact and free_words need no workers",
+        "every word after it be a free word w0, w1, ...; exact and free_words need no workers; custom: the "
+        "function named by reward.function scores the whole response, in worker processes",
+    )
+    function: str = option(
+        "",
+        "kind custom: 'package.module:function', importable where stapo runs (installed, or on PYTHONPATH), imported "
+        "only inside the reward workers. Called as function(response, ground_truth, extra): the response text, the "
+        "ground truth as loaded, and the data row it came from (a dict of all its fields as read; {} for the "
+        "synthetic task). Returns a score in [0, 1] (a float, an int or a bool: 1 correct, 0 wrong, in between "
+        "partial credit), a (score, reason) pair or a dict {score: ..., reason: ...}; reason is text or None "
+        "(stapo eval writes it next to each response as detail). It runs under timeout_s, memory_limit_mb and "
+        "forbid_code_eval like the other kinds; an exception, a hang or any other return scores 0 (reason error or "
+        "timeout, with why). Checked before training or evaluation starts, in a worker: a module that cannot be "
+        "imported or a function that cannot take three positional arguments stops the run in one line. Evaluation "
+        "inside training keeps the math verifier, so that runs trained on different rewards compare on one",
     )
     dapo_answer: DapoAnswer = option(
         "strict_box",
@@ -51,7 +66,8 @@ class RewardConfig:
     )
     max_answer_chars: int = option(
         1000,
-        "an answer (box content) longer than this gets reward 0 (reason 'too_long') without being parsed",
+        "kinds math, dapo, exact, free_words: an answer (box content) longer than this gets reward 0 (reason "
+        "'too_long') without being parsed",
         ge=1,
         le=MAX_TOKENS,
     )
@@ -73,6 +89,13 @@ class RewardConfig:
 
     def __post_init__(self):
         check_fields(self)  # RewardPool builds this section from its arguments, not through build()
+        if self.kind == "custom":
+            if not self.function:
+                raise ConfigError("function: required with kind custom ('package.module:function')")
+            if not FUNCTION_SPEC.fullmatch(self.function):
+                raise ConfigError(f"function: expected 'package.module:function', got {self.function!r}")
+        elif self.function:
+            raise ConfigError(f"function: only kind custom calls a function, kind is {self.kind}")
         if 0 < self.memory_limit_mb < 512:
             raise ConfigError(
                 f"memory_limit_mb: must be 0 (no limit) or >= 512 (a worker needs that much to start), "

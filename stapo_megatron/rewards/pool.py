@@ -3,7 +3,8 @@
 The trainer's process only slices strings (finding the last box, or the answer DAPO's verifier
 reads in a response's last 300 characters) and deduplicates
 (answer, ground truth) pairs; every parse and comparison happens in a worker process
-(:mod:`stapo_megatron.rewards.worker`) under a per-sample time limit. A worker still busy
+(:mod:`stapo_megatron.rewards.worker`) under a per-sample time limit. A custom reward function
+(``kind="custom"``) gets the whole response, and is imported and called in the workers alone. A worker still busy
 ``timeout_s + kill_grace_s`` after it started a sample is killed and replaced; the sample gets
 reason ``timeout`` and the samples queued behind it go to the other workers.
 """
@@ -21,10 +22,11 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+from stapo_megatron.config import ConfigError
 from stapo_megatron.rewards.config import RewardConfig, RewardKind
 from stapo_megatron.rewards.dapo_math import DapoAnswer, find_dapo_answer
 from stapo_megatron.rewards.extract import (
@@ -74,11 +76,13 @@ def _stop_all(workers: list[_Worker]) -> None:
 
 
 class RewardPool:
-    """Rewards for batches of responses: ``score(responses, answers) -> list[RewardResult]``.
+    """Rewards for batches of responses: ``score(responses, answers, extras) -> list[RewardResult]``.
 
     ``kind="math"`` verifies the last box against the ground truth in ``num_workers`` worker
     processes, ``kind="dapo"`` the answer DAPO's verifier takes (``dapo_answer``) with its string
-    comparison; ``kind="exact"`` compares normalized strings, ``kind="free_words"`` the last word
+    comparison, ``kind="custom"`` calls ``function`` ('package.module:function',
+    :mod:`stapo_megatron.rewards.custom`) on the whole response, its ground truth and its data
+    row there; ``kind="exact"`` compares normalized strings, ``kind="free_words"`` the last word
     after free words, in this process, and start no worker.
     ``worker_init`` (a picklable, module-level function) runs in each worker after its warm-up,
     before the code-evaluation guard and the first sample. Not thread-safe; close it when done
@@ -99,11 +103,13 @@ class RewardPool:
         cache_size: int = 8192,
         worker_init: Callable[[], None] | None = None,
         dapo_answer: DapoAnswer = "strict_box",
+        function: str = "",
     ):
         # The config's checks, with the config's messages.
         RewardConfig(
             kind=kind,
             dapo_answer=dapo_answer,
+            function=function,
             num_workers=num_workers,
             timeout_s=timeout_s,
             kill_grace_s=kill_grace_s,
@@ -128,6 +134,7 @@ class RewardPool:
         self._settings = WorkerSettings(
             kind=kind,
             dapo_answer=dapo_answer,
+            function=function,
             timeout_s=float(timeout_s),
             memory_limit_mb=memory_limit_mb,
             forbid_code_eval=forbid_code_eval,
@@ -156,38 +163,63 @@ class RewardPool:
             cache_size=cfg.cache_size,
             worker_init=worker_init,
             dapo_answer=cfg.dapo_answer,
+            function=cfg.function,
         )
 
     # ------------------------------------------------------------------ public
 
-    def score(self, responses: Sequence[str], answers: Sequence[str]) -> list[RewardResult]:
-        """One result per response, in order; ``answers[i]`` is the ground truth of ``responses[i]``."""
+    def score(
+        self, responses: Sequence[str], answers: Sequence[str], extras: Sequence[Mapping] | None = None
+    ) -> list[RewardResult]:
+        """One result per response, in order; ``answers[i]`` is the ground truth of ``responses[i]``
+        and ``extras[i]`` (a dict) the data row it answers, which only a custom reward reads ({} when
+        not given)."""
         if self._closed:
             raise RuntimeError("RewardPool.score: the pool is closed")
         if len(responses) != len(answers):
             raise ValueError(f"RewardPool.score: {len(responses)} responses but {len(answers)} answers")
-        for name, items in (("responses", responses), ("answers", answers)):
-            for i, item in enumerate(items):
-                if not isinstance(item, str):
-                    raise TypeError(f"RewardPool.score: {name}[{i}] is {type(item).__name__}, expected str")
+        if extras is not None and len(extras) != len(responses):
+            raise ValueError(f"RewardPool.score: {len(responses)} responses but {len(extras)} extras")
+        for name, items, expected in (
+            ("responses", responses, str),
+            ("answers", answers, str),
+            ("extras", extras, dict),
+        ):
+            for i, item in enumerate(items or ()):
+                if not isinstance(item, expected):
+                    raise TypeError(
+                        f"RewardPool.score: {name}[{i}] is {type(item).__name__}, expected {expected.__name__}"
+                    )
         if self.kind in _LOCAL_EXTRACTORS:
             return [self._score_locally(response, answer) for response, answer in zip(responses, answers)]
 
         results: list[RewardResult | None] = [None] * len(responses)
-        # Identical (answer, ground truth) pairs are verified once: groups of G samples agree often.
-        groups: dict[tuple[str, str], list[int]] = {}
+        # Identical tasks are verified once: groups of G samples agree often. A custom task is the whole
+        # response with its ground truth and row (the G samples of a prompt share one row object).
+        groups: dict[tuple, list[int]] = {}
+        tasks: list[tuple] = []
+        no_extra: dict = {}
         for i, (response, answer) in enumerate(zip(responses, answers)):
-            started = time.perf_counter()
-            span = self._extract(response)
-            if span.reason is not None:
-                results[i] = RewardResult(0.0, span.reason, None, time.perf_counter() - started)
+            if self.kind == "custom":
+                extra = extras[i] if extras is not None else no_extra
+                key: tuple = (response, answer, id(extra))
+                task: tuple = (response, answer, extra)
             else:
+                started = time.perf_counter()
+                span = self._extract(response)
+                if span.reason is not None:
+                    results[i] = RewardResult(0.0, span.reason, None, time.perf_counter() - started)
+                    continue
                 assert span.answer is not None  # found whenever there is no reason
-                groups.setdefault((span.answer, answer), []).append(i)
-        pairs = list(groups)
-        outcomes = self._run(pairs) if pairs else []
-        for (pair, indices), (reason, seconds) in zip(groups.items(), outcomes):
-            result = RewardResult(1.0 if reason == "correct" else 0.0, reason, pair[0], seconds)
+                key = task = (span.answer, answer)
+            if key not in groups:
+                groups[key] = []
+                tasks.append(task)
+            groups[key].append(i)
+        outcomes = self._run(tasks) if tasks else []
+        for task, indices, (reason, seconds, score, detail) in zip(tasks, groups.values(), outcomes):
+            extracted = None if self.kind == "custom" else task[0]
+            result = RewardResult(score, reason, extracted, seconds, detail)
             for i in indices:
                 results[i] = result
         return results  # type: ignore[return-value]
@@ -265,9 +297,9 @@ class RewardPool:
         self._workers[self._workers.index(worker)] = self._spawn()
         self.workers_replaced += 1
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, error: type[Exception] = RuntimeError) -> None:
         self.close()
-        raise RuntimeError(message)
+        raise error(message)
 
     def wait_ready(self) -> None:
         """Block until every worker has started (the first score does this too); raises if one cannot."""
@@ -275,12 +307,13 @@ class RewardPool:
             raise RuntimeError("RewardPool.wait_ready: the pool is closed")
         self._run([])
 
-    def _run(self, pairs: list[tuple[str, str]]) -> list[tuple[str, float]]:
-        """(reason, seconds) for each (answer, ground truth) pair, verified by the workers.
+    def _run(self, pairs: list[tuple]) -> list[tuple[str, float, float, str | None]]:
+        """(reason, seconds, score, detail) for each task ((answer, ground truth); custom: (response,
+        ground truth, extra)), verified by the workers.
 
-        With no pairs, returns once every worker is ready.
+        With no tasks, returns once every worker is ready.
         """
-        out: list[tuple[str, float] | None] = [None] * len(pairs)
+        out: list[tuple[str, float, float, str | None] | None] = [None] * len(pairs)
         queue = collections.deque(range(len(pairs)))
         remaining = len(pairs)
         until_ready = not pairs
@@ -289,6 +322,8 @@ class RewardPool:
                 for worker in list(self._workers):
                     remaining -= self._dispatch(worker, queue, pairs, out)
                 watched = [w for w in self._workers if w.inflight or not w.ready]
+                if not watched:  # every task left was settled while dispatching
+                    continue
                 deadline = min(
                     w.head_started + self.hard_limit_s if w.ready else w.spawned_at + _STARTUP_TIMEOUT_S
                     for w in watched
@@ -301,7 +336,13 @@ class RewardPool:
                     if not worker.ready and now - worker.spawned_at > _STARTUP_TIMEOUT_S:
                         self._fail(f"reward worker did not start within {_STARTUP_TIMEOUT_S:.0f} s")
                     if worker.ready and worker.inflight and now - worker.head_started > self.hard_limit_s:
-                        out[worker.inflight.popleft()] = ("timeout", now - worker.head_started)
+                        stuck_s = now - worker.head_started
+                        out[worker.inflight.popleft()] = (
+                            "timeout",
+                            stuck_s,
+                            0.0,
+                            f"worker killed after {stuck_s:.1f} s",
+                        )
                         remaining -= 1
                         logger.warning(
                             "reward worker %d stuck for %.1f s on one answer: killed and replaced",
@@ -320,20 +361,27 @@ class RewardPool:
         return out  # type: ignore[return-value]
 
     def _dispatch(self, worker: _Worker, queue: collections.deque, pairs, out) -> int:
-        """Top up a ready worker's queue. Returns how many tasks got settled (a dead worker's current one)."""
+        """Top up a ready worker's queue. Returns how many tasks got settled (a dead worker's current
+        one, tasks that cannot be sent)."""
         if not worker.ready:
             return 0
+        settled = 0
         while queue and len(worker.inflight) < self.prefetch:
             task = queue.popleft()
             try:
                 worker.conn.send((task, *pairs[task]))
             except OSError:  # it died while idle: the task never reached it
                 queue.appendleft(task)
-                return self._on_death(worker, queue, out)
+                return settled + self._on_death(worker, queue, out)
+            except (pickle.PicklingError, TypeError, AttributeError) as err:
+                # A custom task's row holds an object pickle refuses; it is pickled before anything is sent.
+                out[task] = ("error", 0.0, 0.0, f"its data row cannot be sent to a reward worker: {err}")
+                settled += 1
+                continue
             if not worker.inflight:
                 worker.head_started = time.monotonic()
             worker.inflight.append(task)
-        return 0
+        return settled
 
     def _receive(self, worker: _Worker, queue: collections.deque, out) -> int:
         """Read one message from a worker. Returns how many tasks it settled."""
@@ -342,6 +390,8 @@ class RewardPool:
         except (EOFError, OSError):
             return self._on_death(worker, queue, out)
         if not worker.ready:
+            if message[0] == "bad_function":
+                self._fail(f"reward.function: {message[1]}", ConfigError)
             if message[0] == "failed":
                 self._fail(f"reward worker failed to start: {message[1]}")
             worker.ready = True
@@ -350,12 +400,12 @@ class RewardPool:
         return 1
 
     def _settle(self, worker: _Worker, message, out) -> None:
-        task, reason, seconds = message
+        task, reason, seconds, score, detail = message
         if task != worker.inflight[0]:  # pragma: no cover - protocol invariant
             self._fail(f"reward worker answered task {task}, expected {worker.inflight[0]}")
         worker.inflight.popleft()
         worker.head_started = time.monotonic()
-        out[task] = (reason, seconds)
+        out[task] = (reason, seconds, score, detail)
 
     def _drain(self, worker: _Worker, out) -> int:
         """Settle the results a dead worker sent before it died. A send that finds the worker gone
@@ -384,8 +434,23 @@ class RewardPool:
         if worker.inflight:
             # Its current sample crashed it (the OOM killer, a segfault): that sample is an error,
             # not retried, so one input cannot take down worker after worker.
-            out[worker.inflight.popleft()] = ("error", time.monotonic() - worker.head_started)
+            out[worker.inflight.popleft()] = (
+                "error",
+                time.monotonic() - worker.head_started,
+                0.0,
+                f"the worker died on it (exit code {code})",
+            )
             settled += 1
         logger.warning("reward worker %d died with code %d: replaced", worker.proc.pid, code)
         self._replace(worker, queue)
         return settled
+
+
+def check_reward_function(cfg: RewardConfig) -> None:
+    """For kind custom: load reward.function in one short-lived reward worker (the pool's sandbox) and
+    raise ConfigError in one line if it cannot be imported or called as function(response,
+    ground_truth, extra). The calling process never imports the function's module. Other kinds: nothing."""
+    if cfg.kind != "custom":
+        return
+    with RewardPool.from_config(dataclasses.replace(cfg, num_workers=1)) as pool:
+        pool.wait_ready()

@@ -6,9 +6,11 @@ A plain subprocess rather than a multiprocessing child, so that it never imports
 ``multiprocessing.connection`` messages:
 
 parent -> worker: ``sys.path`` (list), then :class:`WorkerSettings`, then tasks
-``(task_id, answer, gold)``; ``None`` asks it to exit.
-worker -> parent: ``("ready", pid)`` or ``("failed", message)`` once, then one
-``(task_id, reason, seconds)`` per task, in order.
+``(task_id, answer, gold)`` (kind custom: ``(task_id, response, gold, extra)``); ``None`` asks it
+to exit.
+worker -> parent: ``("ready", pid)``, ``("failed", message)`` or, when the custom reward function
+cannot be used, ``("bad_function", message)`` once, then one ``(task_id, reason, seconds, score,
+detail)`` per task, in order.
 
 Each task runs under a SIGALRM time limit (an exception between bytecodes). Work that never
 returns to the interpreter, such as a huge integer power inside C, is the parent's to kill.
@@ -25,6 +27,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+from stapo_megatron.rewards.custom import MAX_DETAIL_CHARS, CustomVerifier, RewardFunctionError, load_reward_function
 from stapo_megatron.rewards.guard import CodeEvaluationBlocked, install_code_eval_guard
 
 # (answer, gold, expected reason): run at start-up of a math worker so that the lazy imports and caches of every
@@ -54,8 +57,9 @@ WARMUP_PAIRS: tuple[tuple[str, str, str], ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class WorkerSettings:
-    kind: str  # the reward kind whose verifier runs here: math or dapo
+    kind: str  # the reward kind whose verifier runs here: math, dapo or custom
     dapo_answer: str  # kind dapo: RewardConfig.dapo_answer (strict_box compares without normalizing)
+    function: str  # kind custom: RewardConfig.function, 'package.module:function'
     timeout_s: float
     memory_limit_mb: int
     forbid_code_eval: bool
@@ -103,7 +107,7 @@ def _math_verifier(cache_size: int):
 def _start(conn: Connection) -> tuple[WorkerSettings, object]:
     sys.path[:] = conn.recv()
     settings: WorkerSettings = conn.recv()
-    verifier: object  # anything with check(answer, gold) -> reason
+    verifier: object  # check(answer, gold) -> reason; custom: check(response, gold, extra) -> (reason, score, detail)
     if settings.kind == "math":
         verifier = _math_verifier(settings.cache_size)
     elif settings.kind == "dapo":
@@ -111,8 +115,12 @@ def _start(conn: Connection) -> tuple[WorkerSettings, object]:
         from stapo_megatron.rewards.dapo_math import DapoVerifier
 
         verifier = DapoVerifier(normalize=settings.dapo_answer != "strict_box", cache_size=settings.cache_size)
+    elif settings.kind == "custom":
+        # Imported here, before the limits and the guard, as the math verifier's libraries are: a module body
+        # never sees a response.
+        verifier = CustomVerifier(load_reward_function(settings.function))
     else:
-        raise ValueError(f"reward workers verify kinds math and dapo, not {settings.kind!r}")
+        raise ValueError(f"reward workers verify kinds math, dapo and custom, not {settings.kind!r}")
     _limit_memory(settings.memory_limit_mb)
     if settings.worker_init is not None:
         settings.worker_init()
@@ -122,20 +130,25 @@ def _start(conn: Connection) -> tuple[WorkerSettings, object]:
     return settings, verifier
 
 
-def _verify(verifier, answer: str, gold: str, timeout_s: float) -> str:
+def _verify(verifier, payload: tuple, timeout_s: float) -> tuple[str, float, str | None]:
+    """(reason, score, detail) of one task; the score is 1 for "correct" and 0 for every other reason
+    but a custom reward's "partial"."""
     try:
         signal.setitimer(signal.ITIMER_REAL, timeout_s)
         try:
-            return verifier.check(answer, gold)
+            outcome = verifier.check(*payload)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
     except SampleTimeout:
-        return "timeout"
+        return "timeout", 0.0, f"ran past timeout_s={timeout_s:g} s"
     except CodeEvaluationBlocked as err:
         print(f"reward worker: blocked a code evaluation: {err}", file=sys.stderr, flush=True)
-        return "error"
-    except Exception:  # MemoryError under the address-space limit, RecursionError on deep nesting, ...
-        return "error"
+        return "error", 0.0, f"blocked a code evaluation: {err}"[:MAX_DETAIL_CHARS]
+    except Exception as err:  # MemoryError under the address-space limit, RecursionError on deep nesting, ...
+        return "error", 0.0, f"{type(err).__name__}: {err}"[:MAX_DETAIL_CHARS]
+    if isinstance(outcome, str):  # math and dapo give the reason alone
+        return outcome, 1.0 if outcome == "correct" else 0.0, None
+    return outcome
 
 
 def main(argv: list[str]) -> int:
@@ -146,7 +159,10 @@ def main(argv: list[str]) -> int:
         settings, verifier = _start(conn)
     except BaseException as err:  # report any start-up failure, then exit
         try:
-            conn.send(("failed", f"{type(err).__name__}: {err}"))
+            if isinstance(err, RewardFunctionError):
+                conn.send(("bad_function", str(err)))
+            else:
+                conn.send(("failed", f"{type(err).__name__}: {err}"))
         except OSError:
             pass
         return 1
@@ -158,7 +174,7 @@ def main(argv: list[str]) -> int:
             return 0
         if task is None:
             return 0
-        task_id, answer, gold = task
+        task_id, *payload = task
         started = time.perf_counter()
-        reason = _verify(verifier, answer, gold, settings.timeout_s)
-        conn.send((task_id, reason, time.perf_counter() - started))
+        reason, score, detail = _verify(verifier, tuple(payload), settings.timeout_s)
+        conn.send((task_id, reason, time.perf_counter() - started, score, detail))

@@ -5,7 +5,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from stapo_megatron.config.core import MAX_BATCH, MAX_SEED, MAX_TOKENS, ConfigError, check_fields, option
+from stapo_megatron.config.core import (
+    MAX_BATCH,
+    MAX_SEED,
+    MAX_TOKENS,
+    ConfigError,
+    check_fields,
+    field_default,
+    option,
+)
 from stapo_megatron.rollout.sglang_launch import KEY_ENV, key_flag_in
 
 MIB = 1 << 20
@@ -24,7 +32,7 @@ class SGLangConfig:
         "disaggregated",
         "colocated: every node's local rank 0 launches one server per tp_size GPUs of its node, on the trainer's "
         "GPUs (every GPU generates; launched with --enable-memory-saver, weights synced through CUDA IPC by "
-        "default). disaggregated: attach to urls, or launch num_servers on the first node from base_gpu_id "
+        "default). disaggregated: attach to urls, or launch num_servers on every node from base_gpu_id "
         "(GPUs the trainer does not use).",
     )
     urls: list[str] = option(
@@ -38,8 +46,8 @@ class SGLangConfig:
     tokenizer_path: str | None = option(None, "Tokenizer path passed to launched servers; None uses model_path.")
     num_servers: int = option(
         1,
-        "Disaggregated launch: how many servers the first node launches; server i uses GPUs base_gpu_id + "
-        "i*tp_size .. (colocated placement derives the count from the GPUs per node).",
+        "Disaggregated launch: how many servers each node launches beside its trainer ranks; server i of a node "
+        "uses GPUs base_gpu_id + i*tp_size .. (colocated placement derives the count from the GPUs per node).",
         ge=1,
         le=1024,
     )
@@ -244,6 +252,47 @@ class LocalEngineConfig:
 
 
 @dataclasses.dataclass
+class AsyncConfig:
+    """Generation overlapped with training (:mod:`~stapo_megatron.trainer.rollout_pipeline`)."""
+
+    max_staleness: int = option(
+        0,
+        "How many weight versions the oldest token of a trained sample may lag the weights it is trained "
+        "from. 0: the synchronous loop (generate with the latest weights, then train). k > 0: generation runs "
+        "ahead of training (k steps, k - 1 with partial rollouts), so the next steps' groups are generated while "
+        "the trainer updates; a group older than k is dropped and its prompt generated again.",
+        ge=0,
+        le=64,
+    )
+
+
+@dataclasses.dataclass
+class PartialConfig:
+    """Partial rollouts: a step does not wait for its longest responses."""
+
+    enabled: bool = option(
+        False,
+        "Generate each step's pool of groups in segments of segment_tokens; once prompts_per_step groups have "
+        "finished, the step trains on them and the unfinished samples (tokens, log-probs and versions kept) "
+        "continue in the next step under the new weights, as the same samples. Needs async.max_staleness >= 1.",
+    )
+    segment_tokens: int = option(
+        256,
+        "Tokens every unfinished sample generates between two quorum checks (the granularity at which a "
+        "step stops waiting; each segment re-sends the sample's tokens as its prompt).",
+        ge=1,
+        le=MAX_TOKENS,
+    )
+    over_sampling: float = option(
+        0.25,
+        "Extra groups in each step's pool, as a fraction of prompts_per_step (rounded up), so the quorum is "
+        "reached without the slowest groups.",
+        ge=0,
+        le=16,
+    )
+
+
+@dataclasses.dataclass
 class RolloutConfig:
     """Which rollout engine the trainer and evaluator use."""
 
@@ -259,7 +308,41 @@ class RolloutConfig:
         doc="Local engine settings (used when engine is local).", factory=LocalEngineConfig
     )
     sglang: SGLangConfig = option(doc="SGLang engine settings (used when engine is sglang).", factory=SGLangConfig)
+    async_: AsyncConfig = option(
+        doc="Asynchronous rollouts: generation overlapped with training.", factory=AsyncConfig, key="async"
+    )
+    partial: PartialConfig = option(doc="Partial rollouts.", factory=PartialConfig)
 
     def __post_init__(self):
         if self.engine == "sglang" and not (self.sglang.urls or self.sglang.model_path):
             raise ConfigError("sglang.model_path: required to launch servers (or give sglang.urls to attach)")
+        if not self.partial.enabled:
+            for name in ("segment_tokens", "over_sampling"):
+                if getattr(self.partial, name) != field_default(PartialConfig, name):
+                    raise ConfigError(f"partial.{name}: acts only with partial.enabled: true")
+        if self.partial.enabled and self.async_.max_staleness < 1:
+            raise ConfigError(
+                "partial.enabled: needs async.max_staleness >= 1 (a sample continued in the next step holds "
+                "tokens of the previous weights, one version behind)"
+            )
+        if self.pipelined and self.engine == "sglang" and self.sglang.colocated:
+            raise ConfigError(
+                "async: generation overlapped with training needs servers on GPUs of their own "
+                "(sglang.placement: disaggregated); colocated servers share the trainer's GPUs"
+            )
+        if self.pipelined and self.release_memory_between_steps:
+            raise ConfigError(
+                "release_memory_between_steps: the servers generate while the trainer trains under "
+                "async.max_staleness > 0, so their memory is never free to release"
+            )
+
+    @property
+    def pipelined(self) -> bool:
+        """Generation runs beside training (async.max_staleness > 0), not in turns with it."""
+        return self.async_.max_staleness > 0
+
+    @property
+    def generation_lag(self) -> int:
+        """How many steps generation runs ahead of training: the staleness bound, less the one version a
+        partial sample gains when it continues in the next step."""
+        return self.async_.max_staleness - (1 if self.partial.enabled else 0)

@@ -50,15 +50,23 @@ class Completion:
 
     ``token_ids`` include the stop token when generation stopped on one; ``logprobs[i]`` is the
     log-probability the engine sampled ``token_ids[i]`` with (at the sampling temperature).
+    ``versions[i]`` is the weight version that produced ``token_ids[i]`` (the ``version`` of the
+    :meth:`RolloutEngine.load_weights` or weight sync that put those weights on the engine): one
+    response may span several when the weights changed while it was generated. ``None`` where
+    the weights that produced it carry no version number (loaded without one, or the servers'
+    launch weights).
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
+    versions: list[int] | None = None
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"Completion has {len(self.token_ids)} tokens but {len(self.logprobs)} log-probs")
+        if self.versions is not None and len(self.versions) != len(self.token_ids):
+            raise ValueError(f"Completion has {len(self.token_ids)} tokens but {len(self.versions)} weight versions")
 
 
 class RolloutEngine(abc.ABC):

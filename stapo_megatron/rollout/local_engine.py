@@ -59,7 +59,7 @@ class LocalEngine(RolloutEngine):
         self._cache_kwarg = (
             "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         )
-        self.weight_version: int | None = None
+        self.weight_version: int | None = None  # load_weights' version: every token generated since carries it
 
     # ---- weights ---------------------------------------------------------------------------
 
@@ -123,6 +123,7 @@ class LocalEngine(RolloutEngine):
         self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
     ) -> list[Completion]:
         batch, width = len(prompts), max(len(p) for p in prompts)
+        version = self.weight_version
         # Left padding keeps every sequence's next token in the last column.
         input_ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
         attention = torch.zeros(batch, width, dtype=torch.long, device=self.device)
@@ -167,6 +168,7 @@ class LocalEngine(RolloutEngine):
                 token_ids=out_tokens[i][: out_lengths[i]],
                 logprobs=out_logprobs[i][: out_lengths[i]],
                 finish_reason="stop" if finished[i] else "length",
+                versions=None if version is None else [version] * out_lengths[i],
             )
             for i in range(batch)
         ]

@@ -9,7 +9,7 @@
 
 Layouts (``rollout.sglang.placement``): ``colocated`` puts ``LOCAL_WORLD_SIZE / tp_size`` servers on
 the trainer's GPUs of every node; ``disaggregated`` attaches to ``urls``, or launches ``num_servers``
-on the first node from ``base_gpu_id`` (GPUs the trainer does not use).
+on every node from ``base_gpu_id`` (GPUs the trainer does not use).
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ def plan_node_servers(cfg: SGLangConfig, gpus_per_node: int, nodes: int) -> list
                 "node of colocated placement"
             )
         return [gpus_per_node // cfg.tp_size] * nodes
-    return [cfg.num_servers] + [0] * (nodes - 1)
+    return [cfg.num_servers] * nodes  # beside the trainer ranks of every node
 
 
 def advertised_host(cfg: SGLangConfig, nodes: int) -> str:

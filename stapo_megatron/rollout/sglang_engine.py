@@ -9,9 +9,11 @@ requests spread over every usable server. New weights reach the servers through
 every trainer rank (:meth:`SGLangEngine.weight_sync_plan`), or from this one process
 (:meth:`SGLangEngine.load_weights`, e.g. to evaluate a checkpoint).
 
-No ``/generate`` is served on a mix of weight versions: updates pause every server, a server that
-restarted holds its launch weights and is kept out until the next update reaches it, and every
-answer's ``meta_info.weight_version`` must be the version last sent.
+Every sampled token carries the weight version that produced it (``Completion.versions``, from the
+servers' answers). An answer may span versions only where the engine synced weights while the
+request ran (a sync pauses every server first); otherwise every token must be of the version last
+sent, so a server that restarted, and holds its launch weights, is caught by its answer and kept
+out until the next update reaches it.
 
 Request and response shapes follow SGLang's server source (0.5.15 .. 0.5.23; ``/generate``'s are
 :mod:`~stapo_megatron.rollout.sglang_generate`); the version each server reports through
@@ -50,7 +52,13 @@ from stapo_megatron.rollout.sglang_client import (
     error_message,
     request,
 )
-from stapo_megatron.rollout.sglang_generate import AbortedSample, StaleAnswer, generate_requests, parse_generate
+from stapo_megatron.rollout.sglang_generate import (
+    AbortedSample,
+    StaleAnswer,
+    VersionWindow,
+    generate_requests,
+    parse_generate,
+)
 from stapo_megatron.rollout.sglang_server import connect_host
 from stapo_megatron.rollout.sglang_weights import TensorSerializer, expected_names_from_hf_checkpoint
 from stapo_megatron.rollout.weight_sync.plan import WeightSyncPlan
@@ -120,7 +128,12 @@ class SGLangEngine(RolloutEngine):
         self._blocked: str | None = None  # why generate() must not run now
         self._released: set[str] = set()
         self._weights_loaded = False
-        self._weight_version: str | None = None  # what every usable server holds, when versions were sent
+        # Weight versions: what every usable server holds (None: launch weights), every version synced
+        # so far in order, and whether a sync is under way; generate() reads them from its own threads.
+        self._versions_lock = threading.Lock()
+        self._weight_version: int | None = None
+        self._synced_versions: list[int] = []
+        self._sync_open = False
         self._disk_root: Path | None = None  # load_weights' disk sync directory when none is configured
         self._gen_pool: cf.ThreadPoolExecutor | None = None
         self._finalizer: weakref.finalize | None = None
@@ -219,7 +232,9 @@ class SGLangEngine(RolloutEngine):
         ]
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
-        with self._lock:
+        """Sample; a weight sync may run while the requests are in flight (from another thread), and the
+        tokens then carry the versions that produced them."""
+        with self._lock:  # the state checks and the submission; the wait is outside, so syncs can run
             self._check_can_generate()
             prompt_ids = [self._prompt_ids(p, i) for i, p in enumerate(prompts)]
             if not prompt_ids:
@@ -238,16 +253,16 @@ class SGLangEngine(RolloutEngine):
                 )
                 for start, count, body in chunks
             ]
-            results: list[list[Completion]] = []
-            try:
-                for future in futures:  # chunks are consecutive, in prompt order
-                    results.extend(future.result())
-            except BaseException:
-                for future in futures:
-                    future.cancel()
-                cf.wait(futures)  # let running requests settle before the error leaves generate()
-                raise
-            return results
+        results: list[list[Completion]] = []
+        try:
+            for future in futures:  # chunks are consecutive, in prompt order
+                results.extend(future.result())
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            cf.wait(futures)  # let running requests settle before the error leaves generate()
+            raise
+        return results
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
         """This process sends the whole model to every server: the single-process case of
@@ -267,7 +282,7 @@ class SGLangEngine(RolloutEngine):
                 if problems:
                     raise SGLangWeightSyncError(f"load_weights: the stream {problems}")
             if version is None:
-                version = 0 if self._weight_version is None else int(self._weight_version) + 1
+                version = 0 if self._weight_version is None else self._weight_version + 1
             if self._disk_root is None and self._sync_mode == "disk" and not self.config.disk_sync_dir:
                 self._disk_root = Path(tempfile.mkdtemp(prefix="stapo-sglang-weights-"))
             plan = self.weight_sync_plan(disk_dir=str(self._disk_root) if self._disk_root else None)
@@ -414,6 +429,18 @@ class SGLangEngine(RolloutEngine):
             raise ValueError(f"prompt {index} is empty")
         return ids
 
+    def _window_start(self) -> tuple[int | None, int, bool]:
+        """Before a request is sent: the version the servers hold, how many syncs completed, whether one is open."""
+        with self._versions_lock:
+            return self._weight_version, len(self._synced_versions), self._sync_open
+
+    def _window(self, start: tuple[int | None, int, bool]) -> VersionWindow:
+        """After its answer came: the versions the request may have been served with (see VersionWindow)."""
+        sent, synced_before, open_at_send = start
+        with self._versions_lock:
+            synced = tuple(self._synced_versions[synced_before:])
+            return VersionWindow(sent=sent, synced=synced, open=open_at_send or self._sync_open)
+
     def _run_generate(self, body: dict, count: int, n: int, cost: int) -> list[list[Completion]]:
         """One chunk: sent to the least-loaded server; after a failure it goes to another server
         (the failed one never answered it, so nothing is generated twice into the result)."""
@@ -423,6 +450,7 @@ class SGLangEngine(RolloutEngine):
             if self._closed:
                 raise SGLangError("the SGLang engine was shut down during generate()")
             server = self._acquire(cost, tried)
+            window_start = self._window_start()
             try:
                 resp = request(
                     server.url, "POST", "/generate", body, api_key=self._api_key, timeout=self.config.request_timeout_s
@@ -435,7 +463,7 @@ class SGLangEngine(RolloutEngine):
                 server.failures = 0
                 if resp.status == 200:
                     try:
-                        return parse_generate(resp.json(), count, n, server.url, self._weight_version)
+                        return parse_generate(resp.json(), count, n, server.url, self._window(window_start))
                     except AbortedSample as err:
                         last_error = str(err)
                     except StaleAnswer as err:
@@ -469,7 +497,8 @@ class SGLangEngine(RolloutEngine):
     def weight_sync_plan(self, disk_dir: str | None = None) -> WeightSyncPlan:
         """What every trainer rank needs to push its own share of the weights to these servers
         (:class:`~stapo_megatron.rollout.weight_sync.session.WeightSync`; the controller broadcasts it).
-        ``disk_dir`` overrides ``disk_sync_dir`` (load_weights' own directory)."""
+        ``disk_dir`` overrides ``disk_sync_dir`` (load_weights' own directory). From here until
+        :meth:`weights_synced`, answers may carry the coming version (the servers take it first)."""
         with self._lock:
             self._check_open()
             if self._expected is None:
@@ -501,6 +530,9 @@ class SGLangEngine(RolloutEngine):
             cfg = self.config
             # tp_size as the server reports it (attached servers: the config may not know it).
             endpoints = tuple(dataclasses.replace(s.endpoint, tp_size=s.tp_size) for s in servers)
+            with self._versions_lock:
+                # A sync follows the plan: answers arriving from now on may carry its version, not yet known.
+                self._sync_open = True
             return WeightSyncPlan(
                 mode=self._sync_mode,
                 endpoints=endpoints,
@@ -517,7 +549,10 @@ class SGLangEngine(RolloutEngine):
         with self._lock:
             self._blocked = None
             self._weights_loaded = True
-            self._weight_version = str(version)
+            with self._versions_lock:
+                self._weight_version = version
+                self._synced_versions.append(version)
+                self._sync_open = False
             for server in self._servers:
                 if not server.dead:
                     server.stale = False

@@ -1,6 +1,6 @@
 """Run Megatron-Core on machines without CUDA (CPU tensors, gloo collectives).
 
-Megatron-Core 0.16 assumes CUDA in a handful of spots: its RNG tracker reads and writes the
+Megatron-Core (0.16 to 0.19) assumes CUDA in a handful of spots: its RNG tracker reads and writes the
 CUDA generator, about 160 places ask ``torch.cuda.current_device()`` for a device, the causal
 mask, pipeline schedules, the optimizer and gradient clipping build tensors with
 ``device="cuda"``, point-to-point code calls ``torch.cuda.synchronize()``, and the optimizer
@@ -15,8 +15,10 @@ nothing here runs. It gives every ``megatron.core`` module (loaded now or later)
   CPU generator states the way it swaps CUDA ones on a GPU;
 - tensor factories given a CUDA device build the tensor on the CPU;
 
-Megatron's torch.compile fusion decorator is a no-op (the model does not fuse on the CPU), and
-it makes ``tensor.type()`` report CUDA type names to Megatron's optimizer package, whose
+Megatron's torch.compile fusion decorator is a no-op (the model does not fuse on the CPU), a
+function that a Megatron module compiles as it is imported (0.17+'s MoE router compiles a static
+method at class definition) is compiled when first called instead, so that importing Megatron does
+not load TorchDynamo; and it makes ``tensor.type()`` report CUDA type names to Megatron's optimizer package, whose
 parameter classification is written against those names, and ``tensor.cuda()`` called from
 Megatron leave the tensor where it is.
 
@@ -27,8 +29,10 @@ Nothing here corrects a bug of Megatron: those corrections, needed on every devi
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
+import inspect
 import logging
 import sys
 import types
@@ -197,6 +201,41 @@ def _patch_module(module: types.ModuleType) -> None:
         vars(module).update(_get_cuda_rng_state=_cpu_rng_get, _set_cuda_rng_state=_cpu_rng_set)
 
 
+_torch_compile = torch.compile
+
+
+def _compile_when_first_called(model=None, **options):
+    """``torch.compile`` for a function compiled while a Megatron module is imported: the same
+    compilation, done at the function's first call (nn.Modules are compiled at once, as asked)."""
+    if model is None:  # @torch.compile(...) with options
+        return functools.partial(_compile_when_first_called, **options)
+    if not inspect.isfunction(model):
+        return _torch_compile(model, **options)
+    compiled = None
+
+    @functools.wraps(model)
+    def first_call_compiles(*args, **kwargs):
+        nonlocal compiled
+        if compiled is None:
+            compiled = _torch_compile(model, **options)
+        return compiled(*args, **kwargs)
+
+    return first_call_compiles
+
+
+@contextlib.contextmanager
+def _compile_deferred():
+    """``torch.compile`` is :func:`_compile_when_first_called` while a Megatron module executes."""
+    if torch.compile is _compile_when_first_called:  # a nested import: the outer one restores it
+        yield
+        return
+    torch.compile = _compile_when_first_called  # the import's decorators only
+    try:
+        yield
+    finally:
+        torch.compile = _torch_compile
+
+
 class _PatchMegatronOnImport(importlib.abc.MetaPathFinder):
     """Gives each ``megatron.core`` module imported after :func:`install` the same view."""
 
@@ -210,7 +249,8 @@ class _PatchMegatronOnImport(importlib.abc.MetaPathFinder):
         exec_module = loader.exec_module
 
         def exec_and_patch(module):
-            exec_module(module)
+            with _compile_deferred():
+                exec_module(module)
             _patch_module(module)
 
         loader.exec_module = exec_and_patch  # type: ignore[method-assign]  # this spec's loader only

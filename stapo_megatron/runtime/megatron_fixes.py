@@ -1,5 +1,6 @@
 """Corrections to Megatron-Core's distributed optimizer on the plain torch Adam path, written for
-megatron-core 0.16.1 and applied by :func:`stapo_megatron.runtime.distributed.init_distributed`.
+megatron-core 0.16 and checked on 0.16.1, 0.17.1, 0.18.2 and 0.19.2 (all three bugs are in each),
+applied by :func:`stapo_megatron.runtime.distributed.init_distributed`.
 
 Without Transformer Engine or apex, Megatron wraps ``torch.optim.AdamW``, and saving/loading its
 state has three bugs (in Megatron itself, on any device):
@@ -13,10 +14,11 @@ state has three bugs (in Megatron itself, on any device):
    parameter, so after one step it reads N+1 instead of 2 and training silently diverges from
    the uninterrupted run.
 
-Each :class:`Fix` names the releases it was written for and recognises its bug by the code it
-replaces (the buggy statement in Megatron's source). :func:`apply` patches a fix only on a tested
-release where that code is present; on any other release it patches nothing and warns once, and
-``tests/trainer/test_resume.py`` (an exact resume) decides whether a fix is still needed there.
+Each :class:`Fix` names the release lines (major.minor) it was checked on and recognises its bug
+by the code it replaces (the buggy statement in Megatron's source, as each line writes it).
+:func:`apply` patches a fix only on a tested line where that code is present; on any other release
+it patches nothing and warns once, and ``tests/trainer/test_resume.py`` (an exact resume) decides
+whether a fix is still needed there.
 With Transformer Engine's or apex's fused Adam (``step`` in the param groups) Megatron takes other
 branches and nothing is patched.
 
@@ -55,25 +57,25 @@ def _code(source: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Fix:
-    """One bug of ``DistributedOptimizer``: the megatron-core releases the fix was written for and
-    checked on (exact resume), the method whose source holds the bug, the statement that is the bug,
-    and the patch of ``method`` that corrects it."""
+    """One bug of ``DistributedOptimizer``: the megatron-core release lines the fix was checked on
+    (exact resume), the method whose source holds the bug, the statement that is the bug (each way a
+    release line writes it), and the patch of ``method`` that corrects it."""
 
     name: str
     releases: tuple[str, ...]
     bug_in: str
-    buggy_code: str
+    buggy_code: tuple[str, ...]
     method: str
     patch: Callable[[Callable], Callable]
 
     def bug_present(self, cls: type) -> bool:
-        """Whether ``cls.<bug_in>`` still contains the buggy statement; True where its source cannot
+        """Whether ``cls.<bug_in>`` still contains a buggy statement; True where its source cannot
         be read (a tested release installed without sources: the version says the bug is there)."""
         try:
-            source = inspect.getsource(getattr(cls, self.bug_in))
+            source = _code(inspect.getsource(getattr(cls, self.bug_in)))
         except (OSError, TypeError):
             return True
-        return _code(self.buggy_code) in _code(source)
+        return any(_code(code) in source for code in self.buggy_code)
 
 
 def _empty_adam_state(optimizer: torch.optim.Optimizer) -> None:
@@ -105,7 +107,9 @@ def _patch_set_states(original: Callable) -> Callable:
         targets = {"param": main_param, **self.optimizer.state[main_param]}
         with torch.no_grad():  # main_param is a leaf that requires grad
             for key, target in targets.items():
-                if key != "step":  # not in the saved tensors; restored from the param groups
+                if key == "step":  # not in the saved tensors; restored from the param groups
+                    continue
+                if isinstance(tensors[key], torch.Tensor):  # 0.17+ may hand non-tensor entries: skipped there too
                     target.copy_(tensors[key])
 
     return _set_main_param_and_optimizer_states
@@ -121,37 +125,52 @@ def _patch_load_state_dict(original: Callable) -> Callable:
     return load_state_dict
 
 
+TESTED_RELEASES = ("0.16", "0.17", "0.18", "0.19")  # checked on 0.16.1, 0.17.1, 0.18.2, 0.19.2
+
 FIXES = (
     Fix(
         "step read from an empty Adam state",
-        releases=("0.16.1",),
+        releases=TESTED_RELEASES,
         bug_in="state_dict",  # called by sharded_state_dict
-        buggy_code="""
+        buggy_code=(
+            """
             steps = list(set([s["step"].item() for s in inner_state_dict["state"].values()]))
             assert len(steps) == 1
-        """,
+            """,
+        ),
         method="sharded_state_dict",
         patch=_patch_sharded_state_dict,
     ),
     Fix(
         "step copied, outside no_grad",
-        releases=("0.16.1",),
+        releases=TESTED_RELEASES,
         bug_in="_set_main_param_and_optimizer_states",
-        buggy_code="""
+        buggy_code=(
+            """
             for key in dst_tensors:
                 dst_tensors[key].copy_(tensors[key])
-        """,
+            """,
+            # 0.17+: the same copy, of tensor entries only (the step is a tensor entry there)
+            """
+            for key in dst_tensors:
+                if not isinstance(tensors[key], torch.Tensor):
+                    continue
+                dst_tensors[key].copy_(tensors[key])
+            """,
+        ),
         method="_set_main_param_and_optimizer_states",
         patch=_patch_set_states,
     ),
     Fix(
         "one step tensor shared by every parameter",
-        releases=("0.16.1",),
+        releases=TESTED_RELEASES,
         bug_in="load_state_dict",
-        buggy_code="""
+        buggy_code=(
+            """
             for s in state_dict_state.values():
                 s["step"] = step
-        """,
+            """,
+        ),
         method="load_state_dict",
         patch=_patch_load_state_dict,
     ),
@@ -166,6 +185,13 @@ def megatron_version() -> str:
     return __version__
 
 
+def megatron_release() -> tuple[int, int]:
+    """(major, minor) of the installed megatron-core: the compatibility points whose behaviour
+    cannot be probed (checkpoint/safe_load.py) are written against it."""
+    major, minor = megatron_version().split(".")[:2]
+    return int(major), int(minor)
+
+
 def apply() -> dict[str, bool]:
     """Patch the fixes whose bug this megatron-core has; idempotent. Returns which were patched."""
     if _applied:
@@ -174,11 +200,12 @@ def apply() -> dict[str, bool]:
 
     cls = distrib_optimizer.DistributedOptimizer
     version = megatron_version()
+    line = "{}.{}".format(*megatron_release())
     untested = []
     for fix in FIXES:
         if distrib_optimizer.HAVE_APEX_OR_TE:
             _applied[fix.name] = False  # fused Adam: the buggy branches are not taken
-        elif version not in fix.releases:
+        elif line not in fix.releases:
             _applied[fix.name] = False  # not patched blind: the exact-resume test is the judge
             untested.append(f"{fix.name} ({', '.join(fix.releases)})")
         elif fix.bug_present(cls):

@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.checkpoint.convert import META_KEY, MODEL_KEY, checkpoint_meta, unwrap
-from stapo_megatron.checkpoint.dist import COMMON_FILE, load_common, load_dist, save_dist, staging_dir
+from stapo_megatron.checkpoint.dist import load_common, load_dist, save_dist, staging_dir
 from stapo_megatron.checkpoint.integrity import verify_checkpoint
+from stapo_megatron.checkpoint.safe_load import common_state_source
 from stapo_megatron.models.qwen3.config import Qwen3Config
 from stapo_megatron.runtime import rng
 from stapo_megatron.runtime.distributed import ParallelContext
@@ -60,6 +61,9 @@ _RATE = (float, _is_rate, "a finite number >= 0")
 _NAME = (str, None, "")
 _PROGRESS_FIELDS = {"step": _COUNT, "skipped_steps": _COUNT, "optimizer_steps": _COUNT}
 _OPTIONAL_PROGRESS = {"skipped_steps", "optimizer_steps"}  # absent in checkpoints of earlier versions
+# What generation beside training had done ahead of the step (RolloutPipeline.state_dict; its
+# contents are checked where they are read, against the run).
+PIPELINE_KEY = "rollout_pipeline"
 _SAMPLER_FIELDS = {
     "version": _COUNT,
     "num_items": (int, lambda n: n >= 1, "an integer >= 1"),
@@ -88,7 +92,7 @@ def check_common(common: dict, directory: Path) -> None:
     layout, the optimizer's common state (its form; its contents are Megatron's) and the run record.
     One ConfigError naming the first wrong field; every rank that reads the same verified file
     reaches the same verdict."""
-    source = str(Path(directory) / COMMON_FILE)
+    source = common_state_source(directory)
 
     def check(container: dict, name: str, fields: dict, optional=frozenset()) -> None:
         for key, (kind, valid, expected) in fields.items():
@@ -100,6 +104,8 @@ def check_common(common: dict, directory: Path) -> None:
     if "sampler" in progress:
         sampler = checked_field(progress, "sampler", dict, source, "progress.sampler")
         check(sampler, "progress.sampler", _SAMPLER_FIELDS)
+    if PIPELINE_KEY in progress:
+        checked_field(progress, PIPELINE_KEY, dict, source, f"progress.{PIPELINE_KEY}")
     check(checked_field(common, "scheduler", dict, source, "scheduler"), "scheduler", _SCHEDULER_FIELDS)
     if "layout" in common:  # [tensor, pipeline, data] parallel sizes
         checked_field(

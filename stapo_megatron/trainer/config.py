@@ -10,7 +10,7 @@ from typing import Literal
 from stapo_megatron.config import MAX_BATCH, MAX_SEED, MAX_STEPS, MAX_TOKENS, MAX_VOCAB, ConfigError, option
 from stapo_megatron.data.config import DataConfig
 from stapo_megatron.eval.config import EvalConfig
-from stapo_megatron.loss.config import AlgoConfig
+from stapo_megatron.loss.config import AlgoConfig, resolve_rollout_correction
 from stapo_megatron.models.qwen3.config import Qwen3Config
 from stapo_megatron.rewards.config import RewardConfig
 from stapo_megatron.rollout.config import RolloutConfig
@@ -264,6 +264,8 @@ class TrainConfig:
         return self.tokenizer or self.checkpoint.load_hf
 
     def __post_init__(self):
+        # 'auto': none in the synchronous loop, tis_token when generation runs ahead (docs/async.md)
+        self.algo = resolve_rollout_correction(self.algo, self.rollout.async_.max_staleness)
         if (
             self.compute.offload_while_generating
             and self.rollout.engine == "sglang"
@@ -273,6 +275,17 @@ class TrainConfig:
                 "compute.offload_while_generating: needs the rollout servers on the trainer's GPUs "
                 "(rollout.sglang.placement: colocated); servers on other GPUs never compete for its memory"
             )
+        if self.rollout.pipelined:
+            if self.compute.offload_while_generating:
+                raise ConfigError(
+                    "compute.offload_while_generating: the servers generate while the trainer trains "
+                    "(rollout.async.max_staleness > 0), so the trainer's state never waits in host memory"
+                )
+            if self.algo.dynamic_sampling:
+                raise ConfigError(
+                    "algo.dynamic_sampling: not with rollout.async.max_staleness > 0 (a step's batch is the first "
+                    "prompts_per_step groups to finish; resampling filtered groups is not part of the pipeline)"
+                )
         longest = self.data.max_prompt_tokens + self.batch.max_new_tokens
         # under sequence parallelism a packed row is padded to a multiple of TP
         multiple = self.parallel.tensor_parallel if self.parallel.sequence_parallel else 1

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from stapo_megatron.rollout.weight_sync.session import WeightSync
     from stapo_megatron.runtime.distributed import ParallelContext
     from stapo_megatron.trainer.config import TrainConfig
+    from stapo_megatron.trainer.rollout_pipeline import RolloutPipeline
 
 logger = logging.getLogger(__name__)
 
@@ -45,18 +46,28 @@ def stop_token_ids(cfg: TrainConfig, tokenizer) -> list[int]:
 @dataclasses.dataclass
 class Rank0Rollouts:
     """What rank 0 alone holds: the collector (engine, rewards, prompts and their sampler), the
-    evaluator (None without in-training evaluation) and the metrics logger."""
+    evaluator (None without in-training evaluation), the metrics logger, and the generation thread
+    when generation runs beside training (None in the synchronous loop)."""
 
     collector: RolloutCollector
     evaluator: Evaluator | None
     metrics_logger: MetricsLogger
     run_dir: Path
+    pipeline: RolloutPipeline | None = None
 
     @classmethod
     def build(
-        cls, cfg: TrainConfig, tokenizer, device, servers: JobServers | None, sampler_state: dict | None, step: int
+        cls,
+        cfg: TrainConfig,
+        tokenizer,
+        device,
+        servers: JobServers | None,
+        sampler_state: dict | None,
+        step: int,
+        pipeline_state: dict | None = None,
     ) -> Rank0Rollouts:
-        """Rank 0's side for ``cfg``, its sampler at the resumed ``sampler_state``, logging from ``step``."""
+        """Rank 0's side for ``cfg``, its sampler at the resumed ``sampler_state`` (and the generation
+        thread at ``pipeline_state``), logging from ``step``."""
         from stapo_megatron.data.prompts import build_prompt_dataset
         from stapo_megatron.data.sampler import PromptSampler
         from stapo_megatron.rewards import RewardPool
@@ -91,9 +102,23 @@ class Rank0Rollouts:
                 default_max_new_tokens=cfg.batch.max_new_tokens,
                 stop_token_ids=stops,
             )
-        return cls(collector, evaluator, metrics_logger, cfg.run.directory)
+        pipeline = None
+        if cfg.rollout.pipelined:
+            from stapo_megatron.config import ConfigError
+            from stapo_megatron.trainer.rollout_pipeline import RolloutPipeline
+            from stapo_megatron.trainer.sample_pool import SamplePool
+
+            try:
+                pipeline = RolloutPipeline.resumed(
+                    SamplePool(collector), cfg.rollout.generation_lag, cfg.run.steps, step, pipeline_state
+                )
+            except (ValueError, KeyError, TypeError) as err:
+                raise ConfigError(f"the checkpoint's rollout state does not fit this run: {err}") from None
+        return cls(collector, evaluator, metrics_logger, cfg.run.directory, pipeline)
 
     def close(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
         self.collector.engine.shutdown()
         self.collector.reward_pool.close()
         self.metrics_logger.close()
@@ -111,10 +136,13 @@ class RolloutController:
         heartbeat: Heartbeat,
         rank0: Rank0Rollouts | None,
         servers: JobServers | None = None,
+        *,
+        pipelined: bool = False,
     ):
         self.ctx, self.arch, self.heartbeat = ctx, arch, heartbeat
         self._rank0 = rank0
         self._servers = servers
+        self.pipelined = pipelined  # generation runs beside training (rank 0's RolloutPipeline)
         self._weight_sync: WeightSync | None = None  # every rank's link to the SGLang servers, made at the first sync
 
     @classmethod
@@ -126,23 +154,31 @@ class RolloutController:
         heartbeat: Heartbeat,
         sampler_state: dict | None,
         step: int,
+        pipeline_state: dict | None = None,
     ) -> RolloutController:
         """Collective: the node leaders launch their node's SGLang servers and every rank learns every
         endpoint; rank 0 builds its side (:class:`Rank0Rollouts`), resumed at ``sampler_state`` and
-        logging from ``step``."""
+        ``pipeline_state`` and logging from ``step``."""
         from stapo_megatron.rollout.factory import start_rollout_servers
 
         servers = start_rollout_servers(ctx, cfg.rollout, cfg.checkpoint.load_hf, cfg.run.directory)
-        rank0 = Rank0Rollouts.build(cfg, tokenizer, ctx.device, servers, sampler_state, step) if ctx.rank == 0 else None
-        return cls(ctx, cfg.model, heartbeat, rank0, servers)
+        rank0 = (
+            Rank0Rollouts.build(cfg, tokenizer, ctx.device, servers, sampler_state, step, pipeline_state)
+            if ctx.rank == 0
+            else None
+        )
+        return cls(ctx, cfg.model, heartbeat, rank0, servers, pipelined=cfg.rollout.pipelined)
 
     def collect(self, step: int, timer: PhaseTimer) -> tuple[RolloutBatch | None, dict[str, float]]:
-        """Rank 0 samples the step's prompts, generates, scores and computes the advantages while
-        every other rank waits. Returns rank 0's batch (None elsewhere: :meth:`broadcast` hands it
-        to every rank) and the step's rollout metrics (rank 0's; none elsewhere)."""
+        """Rank 0 samples the step's prompts, generates, scores and computes the advantages (or, with
+        generation beside training, takes the batch its thread generated) while every other rank
+        waits. Returns rank 0's batch (None elsewhere: :meth:`broadcast` hands it to every rank) and
+        the step's rollout metrics (rank 0's; none elsewhere)."""
 
         def collect(rank0: Rank0Rollouts) -> tuple[RolloutBatch, dict[str, float]]:
             with timer("rollout"):  # sampling bookkeeping; generation and rewards time themselves inside
+                if rank0.pipeline is not None:
+                    return rank0.pipeline.take(step)
                 return rank0.collector.collect(step, timer)
 
         return self._alone_on_rank0(collect, (None, {}), "rollout", step, timer)
@@ -162,11 +198,14 @@ class RolloutController:
 
         return self._alone_on_rank0(evaluate, {}, "eval", step, timer)
 
-    def sync_weights(self, model, version: int) -> None:
+    def sync_weights(self, model, version: int, timer: PhaseTimer) -> None:
         """Collective: every rank sends its own share of ``model``'s weights, straight to the SGLang
-        servers, or to rank 0's in-process engine (see rollout/weight_sync/session.py)."""
+        servers, or to rank 0's in-process engine (see rollout/weight_sync/session.py). With
+        generation beside training, once the thread has generated every batch of an older version."""
         from stapo_megatron.rollout.weight_sync.session import sync_engine_weights
 
+        if self.pipelined:
+            self._alone_on_rank0(self._boundary_waiter(version), None, "rollout", version + 1, timer)
         engine = self._rank0.collector.engine if self._rank0 is not None else None
         self._weight_sync = sync_engine_weights(self.ctx, model, self.arch, engine, version, self._weight_sync)
 
@@ -179,6 +218,27 @@ class RolloutController:
         """The engine gives its memory up for training (rank 0 asks the servers of every node)."""
         if self._rank0 is not None:
             self._rank0.collector.engine.release_memory()
+
+    def pipeline_state(self, version: int, timer: PhaseTimer) -> dict | None:
+        """Collective: the rollout side generated ahead of the trainer at ``version`` (its step), rank
+        0's on every rank, once the thread has reached that version's boundary; None in the
+        synchronous loop. Read it before :meth:`sampler_state`: the thread moves the sampler."""
+        if not self.pipelined:
+            return None
+
+        def state(rank0: Rank0Rollouts) -> dict:
+            assert rank0.pipeline is not None  # built with pipelined
+            return rank0.pipeline.state_dict(version)
+
+        return self.ctx.broadcast_object(self._alone_on_rank0(state, None, "rollout", version, timer))
+
+    @staticmethod
+    def _boundary_waiter(version: int) -> Callable[[Rank0Rollouts], None]:
+        def wait(rank0: Rank0Rollouts) -> None:
+            assert rank0.pipeline is not None  # built with pipelined
+            rank0.pipeline.wait_for_boundary(version)
+
+        return wait
 
     def sampler_state(self) -> dict:
         """Collective: the prompt sampler's state, rank 0's on every rank (every rank hands

@@ -89,7 +89,7 @@ class RolloutCollector:
         self.dataset, self.sampler, self.cfg = dataset, sampler, cfg
         self.stop_token_ids = tuple(stop_token_ids)
 
-    def _sampling(self, seed: int) -> SamplingParams:
+    def sampling(self, seed: int) -> SamplingParams:
         b = self.cfg.batch
         return SamplingParams(
             n=b.group_size,
@@ -111,13 +111,15 @@ class RolloutCollector:
             prompts = self.dataset.batch(self.sampler.next_indices(b.prompts_per_step - kept.groups))
             with timer("rollout"):
                 completions = self.engine.generate(
-                    [list(p.prompt_ids) for p in prompts], self._sampling(step_seed(self.cfg.run.seed, step, rounds))
+                    [list(p.prompt_ids) for p in prompts], self.sampling(step_seed(self.cfg.run.seed, step, rounds))
                 )
             rounds += 1
             flat = [(p, c) for p, group in zip(prompts, completions) for c in group]
             with timer("reward"):
                 texts = [response_text(self.tokenizer, c.token_ids, c.finish_reason) for _, c in flat]
-                results = self.reward_pool.score(texts, [p.record.answer for p, _ in flat])
+                results = self.reward_pool.score(
+                    texts, [p.record.answer for p, _ in flat], [p.record.extra for p, _ in flat]
+                )
             for reason, count in summarize_reasons(results).items():
                 reasons[reason] += count
             correct = torch.tensor([r.reward for r in results], dtype=torch.float32)
@@ -135,10 +137,10 @@ class RolloutCollector:
             sampled.add_groups(flat, rewards, correct, range(len(prompts)), b.group_size)
             room = b.prompts_per_step - kept.groups
             kept.add_groups(flat, rewards, correct, keep_groups[:room], b.group_size)
-        metrics = self._metrics(sampled, kept, reasons, rounds)
-        return self._batch(kept), metrics
+        metrics = self.metrics(sampled, kept, reasons, rounds)
+        return self.batch_of(kept), metrics
 
-    def _batch(self, kept: GroupedResponses) -> RolloutBatch:
+    def batch_of(self, kept: GroupedResponses) -> RolloutBatch:
         """The kept groups as the update's batch, with their group-normalised advantages."""
         b, algo = self.cfg.batch, self.cfg.algo
         rewards = torch.tensor(kept.rewards, dtype=torch.float32)
@@ -160,14 +162,14 @@ class RolloutCollector:
             group_ids=torch.arange(kept.groups, dtype=torch.long).repeat_interleave(b.group_size),
         )
 
-    def _metrics(
+    def metrics(
         self, sampled: GroupedResponses, kept: GroupedResponses, reasons: dict[str, int], rounds: int
     ) -> dict[str, float]:
         total = max(len(sampled.rewards), 1)
         lengths = [len(r) for r in sampled.response_ids] or [0]
         metrics = {
             "reward/mean": sum(sampled.rewards) / total,
-            "reward/accuracy": sum(sampled.correct) / total,
+            "reward/accuracy": sum(c == 1.0 for c in sampled.correct) / total,  # partial credit is not correct
             "response/length_mean": sum(lengths) / len(lengths),
             "response/length_max": float(max(lengths)),
             "rollout/responses_sampled": float(len(sampled.rewards)),

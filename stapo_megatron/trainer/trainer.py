@@ -16,7 +16,7 @@ from stapo_megatron.models.qwen3.parallelize import build_stage
 from stapo_megatron.runtime.distributed import init_distributed
 from stapo_megatron.trainer.batch import RolloutBatch
 from stapo_megatron.trainer.checkpoint_directory import CheckpointDirectory
-from stapo_megatron.trainer.checkpointing import Checkpointer
+from stapo_megatron.trainer.checkpointing import PIPELINE_KEY, Checkpointer
 from stapo_megatron.trainer.config import TrainConfig
 from stapo_megatron.trainer.controller import RolloutController
 from stapo_megatron.trainer.heartbeat import Heartbeat, job_store
@@ -139,6 +139,7 @@ class Trainer:
             inspector=SpuriousTokenDump(self.run_dir, self.tokenizer, cfg.logging.inspect_context_tokens, self.ctx),
         )
         self.saved_sampler: dict | None = None  # the sampler position a resume restores
+        self.saved_pipeline: dict | None = None  # the batches and samples a resume's rollouts had generated ahead
         self.checkpointer = Checkpointer(
             self.checkpoints,
             self.ctx,
@@ -154,7 +155,7 @@ class Trainer:
         self._resume()
         # Started by train(); rank 0's beats reach every rank through the job's store.
         self.heartbeat = Heartbeat(cfg.run.hang_timeout_s, self.rank, saved_step=self.step, store=job_store())
-        self.rollouts = self._start_rollouts(self.saved_sampler)
+        self.rollouts = self._start_rollouts(self.saved_sampler, self.saved_pipeline)
         self._install_signal_handlers()
 
     # ---- set-up -----------------------------------------------------------------------------
@@ -200,15 +201,18 @@ class Trainer:
             else None
         )
 
-    def _start_rollouts(self, sampler_state: dict | None) -> RolloutController:
-        """The rollout side, its sampler resumed at ``sampler_state``. Colocated servers size their KV
+    def _start_rollouts(self, sampler_state: dict | None, pipeline_state: dict | None) -> RolloutController:
+        """The rollout side, its sampler resumed at ``sampler_state`` and what it had generated ahead
+        at ``pipeline_state``. Colocated servers size their KV
         cache from the memory free when they start: with offload, the trainer's state waits in host
         memory on every rank before any server launches."""
         if self.offload is not None:
             self.offload.offload(OPTIMIZER)
             self.offload.offload(PARAMS)
             dist.barrier(group=self.ctx.cpu_group)
-        return RolloutController.start(self.cfg, self.ctx, self.tokenizer, self.heartbeat, sampler_state, self.step)
+        return RolloutController.start(
+            self.cfg, self.ctx, self.tokenizer, self.heartbeat, sampler_state, self.step, pipeline_state
+        )
 
     def _tokenizer_files(self) -> str:
         """The directory whose tokenizer files every checkpoint carries in its hf_assets/ ('': none):
@@ -275,19 +279,24 @@ class Trainer:
             return
         self.checkpointer.load(self.resume_from.checkpoint, verified=True)  # resume_point verified it
         if self.resume_from.plan.fresh_sampler:  # the saved position belongs to the old prompt order
-            self.saved_sampler = None
+            self.saved_sampler = self.saved_pipeline = None
         if self.rank == 0:
             logger.info("resumed from %s (step %d)", self.resume_from.checkpoint, self.step)
 
     def state_dict(self) -> dict:
         """A checkpoint's progress (the checkpointer saves the trainer as a Stateful): the step, the
-        updater's outcome counts and the sampler's position, the same on every rank."""
-        return {"step": self.step, **self.updater.state_dict(), "sampler": self.rollouts.sampler_state()}
+        updater's outcome counts, the sampler's position and, with generation beside training, what
+        was generated ahead; the same on every rank."""
+        # before the sampler, which the generation thread moves; its wait counts in the caller's checkpoint phase
+        pipeline = self.rollouts.pipeline_state(self.step, self.heartbeat.timer(self.step))
+        progress = {"step": self.step, **self.updater.state_dict(), "sampler": self.rollouts.sampler_state()}
+        return progress if pipeline is None else {**progress, PIPELINE_KEY: pipeline}
 
     def load_state_dict(self, progress: dict) -> None:
         self.step = progress["step"]
         self.updater.load_state_dict(progress)
         self.saved_sampler = progress.get("sampler")
+        self.saved_pipeline = progress.get(PIPELINE_KEY)
 
     def _install_signal_handlers(self) -> None:
         def request_stop(signum, frame):
@@ -369,7 +378,7 @@ class Trainer:
                 with timer("reload"):
                     self.moved_bytes["reload"] += self.offload.reload(PARAMS)
             with timer("sync"):
-                self.rollouts.sync_weights(self.model, version)
+                self.rollouts.sync_weights(self.model, version, timer)
             self.engine_version = version
         if self.offload is not None:
             with timer("offload"):

@@ -127,6 +127,11 @@ def check_train_config(cfg: TrainConfig, files: bool = True) -> None:
     _check_data(cfg, files)
     if files:
         _check_initial_weights(cfg)
+        from stapo_megatron.rewards import check_reward_function
+
+        # reward.kind custom: the function is imported and its signature checked in a short-lived
+        # reward worker (never in this process), before anything starts
+        check_reward_function(cfg.reward)
         if cfg.checkpoint.resume == "required":
             from stapo_megatron.trainer.checkpoint_directory import CheckpointDirectory
 

@@ -9,6 +9,7 @@ import json
 import operator
 import os
 import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -53,6 +54,45 @@ def read_metadata(directory: Path):
     """The checkpoint's torch index, unpickled plainly (the test trusts the file it wrote)."""
     with open(directory / ".metadata", "rb") as f:
         return pickle.load(f)
+
+
+COMMON_FILE = "common.pt"  # megatron-core 0.16-0.18; 0.19 stores the common state as this object:
+COMMON_OBJECT = "common_state/shard_0_1"
+
+
+def read_common(directory: Path):
+    """The checkpoint's common state, wherever the installed megatron-core wrote it."""
+    if (directory / COMMON_FILE).exists():
+        return torch.load(directory / COMMON_FILE, weights_only=True)
+    metadata = read_metadata(directory)
+    (info,) = [info for index, info in metadata.storage_data.items() if index.fqn == COMMON_OBJECT]
+    with open(directory / info.relative_path, "rb") as f:
+        f.seek(info.offset)
+        (common,) = torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+    return common
+
+
+def common_state_file(directory: Path) -> str:
+    """The name of the file holding the common state: common.pt, or the data file with 0.19's object."""
+    if (directory / COMMON_FILE).exists():
+        return COMMON_FILE
+    (info,) = [info for index, info in read_metadata(directory).storage_data.items() if index.fqn == COMMON_OBJECT]
+    return info.relative_path
+
+
+def write_common(directory: Path, obj) -> None:
+    """Store ``obj`` as the checkpoint's common state, where the installed megatron-core keeps it."""
+    if (directory / COMMON_FILE).exists():
+        torch.save(obj, directory / COMMON_FILE)
+    else:
+        replace_object(directory, COMMON_OBJECT, lambda _: [obj])  # Megatron stores a list of the shard's objects
+
+
+def common_source_pattern(directory: Path) -> str:
+    """A regular expression of how a refusal names the common state's file."""
+    if (directory / COMMON_FILE).exists():
+        return re.escape(f"{directory}/{COMMON_FILE}")
+    return re.escape(f"{directory}/") + r"__\d+_\d+\.distcp " + re.escape(f"(object {COMMON_OBJECT})")
 
 
 def write_metadata(directory: Path, metadata) -> None:

@@ -18,7 +18,7 @@ from stapo_megatron.checkpoint.cli import newest_intact_checkpoint
 from stapo_megatron.checkpoint.convert import EXPORT_MARKER, convert_hf_to_megatron, convert_megatron_to_hf
 from stapo_megatron.checkpoint.integrity import verify_checkpoint
 from stapo_megatron.config import ConfigError
-from tests.checkpoint.crafted import drop_checksums, replace_by_fifo
+from tests.checkpoint.crafted import COMMON_FILE, common_state_file, drop_checksums, replace_by_fifo
 from tests.helpers import save_tiny_qwen3
 from tests.trainer.runs import train_command
 
@@ -55,15 +55,18 @@ def _one_error_line(result: subprocess.CompletedProcess) -> str:
 
 def test_stapo_convert_refuses_a_fifo_listed_in_the_marker(checkpoint, tmp_path):
     """The FIFO was opened for hashing: stapo convert waited forever."""
-    replace_by_fifo(checkpoint, "common.pt")
+    name = common_state_file(checkpoint)  # common.pt, or under megatron-core 0.19 a .distcp file
+    replace_by_fifo(checkpoint, name)
     error = _one_error_line(_convert_cli(checkpoint, tmp_path / "hf"))
-    assert f"{checkpoint}/common.pt: a FIFO, where a checkpoint holds only regular files" in error
+    assert f"{checkpoint}/{name}: a FIFO, where a checkpoint holds only regular files" in error
     assert not (tmp_path / "hf").exists()
 
 
 @pytest.mark.timeout(60)  # the old reader waited on the FIFO for ever
-@pytest.mark.parametrize("name", ["common.pt", "metadata.json", ".metadata", "__0_0.distcp"])
+@pytest.mark.parametrize("name", [COMMON_FILE, "metadata.json", ".metadata", "__0_0.distcp"])
 def test_a_fifo_in_a_checkpoint_from_before_checksums_is_refused(checkpoint, tmp_path, name):
+    if name == COMMON_FILE:
+        name = common_state_file(checkpoint)  # under megatron-core 0.19 the common state is in a .distcp file
     drop_checksums(checkpoint)
     replace_by_fifo(checkpoint, name)
     with pytest.raises(ConfigError, match=rf"/{name}: a FIFO, where a checkpoint holds only regular files") as err:

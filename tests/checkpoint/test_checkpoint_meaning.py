@@ -21,7 +21,15 @@ from stapo_megatron.checkpoint import dcp_index, index_unpickler
 from stapo_megatron.checkpoint.convert import convert_megatron_to_hf, read_meta
 from stapo_megatron.checkpoint.dist import common_field
 from stapo_megatron.config import ConfigError
-from tests.checkpoint.crafted import drop_checksums, read_metadata, rehash, replace_tensor, write_metadata
+from tests.checkpoint.crafted import (
+    drop_checksums,
+    read_common,
+    read_metadata,
+    rehash,
+    replace_tensor,
+    write_common,
+    write_metadata,
+)
 
 EMBEDDING = "embedding.word_embeddings.weight"  # [256, 128] float32, two chunks of 128 rows (TP=2)
 
@@ -255,10 +263,14 @@ def test_what_a_real_index_holds_is_all_admitted(trained_run):
 # ---- common.pt, field by field -------------------------------------------------------------------
 
 
+# how a refusal names the common state: common.pt, or (megatron-core 0.19) its object in a .distcp file
+COMMON_SOURCE = r"(common\.pt|\(object common_state/shard_0_1\))"
+
+
 def _edit_common(checkpoint, edit) -> None:
-    common = torch.load(checkpoint / "common.pt", weights_only=True)
+    common = read_common(checkpoint)
     edit(common)
-    torch.save(common, checkpoint / "common.pt")
+    write_common(checkpoint, common)
     rehash(checkpoint)
 
 
@@ -269,39 +281,39 @@ def _arch(common) -> dict:
 COMMON_DAMAGE = {
     "keys-not-strings": (
         lambda c: c.__setitem__(7, "x"),
-        r"common\.pt: holds a dict with keys that are not strings, not a state dict",
+        COMMON_SOURCE + r": holds a dict with keys that are not strings, not a state dict",
     ),
     "dtype-a-number": (
         lambda c: c["stapo"].__setitem__("params_dtype", 5),
-        r"common\.pt: field stapo\.params_dtype is an integer, not a string",
+        COMMON_SOURCE + r": field stapo\.params_dtype is an integer, not a string",
     ),
     "dtype-unknown": (
         lambda c: c["stapo"].__setitem__("params_dtype", "float33"),
-        r"common\.pt: field stapo\.params_dtype is 'float33', not a torch dtype",
+        COMMON_SOURCE + r": field stapo\.params_dtype is 'float33', not a torch dtype",
     ),
     "width-a-string": (
         lambda c: _arch(c).__setitem__("hidden_size", "128"),
-        r"common\.pt: field stapo\.arch\.hidden_size is a string, not an integer",
+        COMMON_SOURCE + r": field stapo\.arch\.hidden_size is a string, not an integer",
     ),
     "width-zero": (
         lambda c: _arch(c).__setitem__("hidden_size", 0),
-        r"common\.pt: field stapo\.arch\.hidden_size: must be >= 1, got 0",
+        COMMON_SOURCE + r": field stapo\.arch\.hidden_size: must be >= 1, got 0",
     ),
     "layers-missing": (
         lambda c: _arch(c).pop("num_hidden_layers"),
-        r"common\.pt: field stapo\.arch\.num_hidden_layers is missing",
+        COMMON_SOURCE + r": field stapo\.arch\.num_hidden_layers is missing",
     ),
     "tie-a-string": (
         lambda c: _arch(c).__setitem__("tie_word_embeddings", "no"),
-        r"common\.pt: field stapo\.arch\.tie_word_embeddings is a string, not a bool",
+        COMMON_SOURCE + r": field stapo\.arch\.tie_word_embeddings is a string, not a bool",
     ),
     "arch-a-list": (
         lambda c: c["stapo"].__setitem__("arch", [1, 2]),
-        r"common\.pt: field stapo\.arch is a list, not a dict",
+        COMMON_SOURCE + r": field stapo\.arch is a list, not a dict",
     ),
     "format": (
         lambda c: c["stapo"].__setitem__("format", 2),
-        r"common\.pt: field stapo\.format is 2; this stapo reads format 1",
+        COMMON_SOURCE + r": field stapo\.format is 2; this stapo reads format 1",
     ),
 }
 

@@ -14,7 +14,7 @@ from stapo_megatron.checkpoint.convert import convert_hf_to_megatron, convert_me
 from stapo_megatron.checkpoint.integrity import HASH, assign_shares, file_digest, list_files, verify_checkpoint
 from stapo_megatron.checkpoint.marker import COMPLETE_MARKER
 from stapo_megatron.config import ConfigError
-from tests.checkpoint.crafted import flip_byte
+from tests.checkpoint.crafted import common_state_file, flip_byte
 from tests.helpers import save_tiny_qwen3
 from tests.trainer.runs import train_command
 
@@ -29,7 +29,7 @@ def test_marker_records_every_file_with_its_hash(trained_run):
     assert marker["step"] == 2 and marker["hash"] == HASH
     files = marker["files"]
     assert set(files) == set(list_files(directory))
-    assert {".metadata", "common.pt", "metadata.json"} <= set(files)
+    assert {".metadata", common_state_file(directory), "metadata.json"} <= set(files)
     assert sum(name.endswith(".distcp") for name in files) >= 2  # both ranks' data
     for name, entry in files.items():
         assert file_digest(directory / name) == (entry["size"], entry[HASH]), name
@@ -47,13 +47,17 @@ def _truncate(path):
 DAMAGE = {
     "flipped-data": (
         lambda d: flip_byte(_data_file(d)),
-        r"/__1_1\.distcp: contents differ from the sha256 recorded in stapo_complete\.json",
+        r"/__1_\d\.distcp: contents differ from the sha256 recorded in stapo_complete\.json",
     ),
-    "flipped-common": (lambda d: flip_byte(d / "common.pt"), r"/common\.pt: contents differ"),
+    # common.pt, or under megatron-core 0.19 the data file holding the common state
+    "flipped-common": (
+        lambda d: flip_byte(d / common_state_file(d)),
+        r"/(common\.pt|__0_\d\.distcp): contents differ",
+    ),
     "flipped-index": (lambda d: flip_byte(d / ".metadata", 200), r"/\.metadata: contents differ"),
     "truncated": (
         lambda d: _truncate(_data_file(d)),
-        r"/__1_1\.distcp: \d+ bytes, but the checkpoint recorded \d+ \(truncated or replaced\)",
+        r"/__1_\d\.distcp: \d+ bytes, but the checkpoint recorded \d+ \(truncated or replaced\)",
     ),
     "missing": (
         lambda d: (d / ".metadata").unlink(),

@@ -1,12 +1,15 @@
-"""Loading a checkpoint never runs what it holds: crafted pickles in ``.metadata``, ``common.pt``
-and a stored sharded object are refused with one line naming the file, on every load path
-(``stapo convert``, resume, the in-process readers), also when the payload would hand back a
-valid object afterwards and the checksums were recomputed to match."""
+"""Loading a checkpoint never runs what it holds: crafted pickles in ``.metadata``, the common
+state (``common.pt``, or 0.19's object in the data files) and a stored sharded object are refused
+with one line naming the file, on every load path (``stapo convert``, resume, the in-process
+readers), also when the payload would hand back a valid object afterwards and the checksums were
+recomputed to match. And the safe loader loads what the installed megatron-core's own load does."""
 
 from __future__ import annotations
 
 import io
+import json
 import pickle
+import re
 import subprocess
 import sys
 
@@ -17,7 +20,18 @@ from stapo_megatron.checkpoint import dcp_index, index_unpickler, safe_load
 from stapo_megatron.checkpoint.convert import convert_megatron_to_hf, read_meta
 from stapo_megatron.checkpoint.dist import load_common
 from stapo_megatron.config import ConfigError
-from tests.checkpoint.crafted import Stealth, Touch, read_metadata, rehash, replace_object
+from stapo_megatron.runtime.launch import spawn_ranks
+from tests.checkpoint import _safe_load_workers
+from tests.checkpoint.crafted import (
+    Stealth,
+    Touch,
+    common_source_pattern,
+    read_common,
+    read_metadata,
+    rehash,
+    replace_object,
+    write_common,
+)
 from tests.trainer.runs import train_command
 
 
@@ -30,12 +44,19 @@ def _one_line(err) -> str:
 # ---- the readers themselves (one process, no ranks) -------------------------------------------
 
 
-def test_the_copied_megatron_load_matches_the_installed_release():
-    # SafeShardedLoadStrategy.load is megatron-core 0.16's TorchDistLoadShardedStrategy.load with
-    # the reader and planner swapped: another release needs it compared again.
-    import megatron.core
-
-    assert megatron.core.__version__.startswith("0.16."), megatron.core.__version__
+def test_the_safe_load_matches_the_installed_releases_own_load(trained_run, tmp_path):
+    # safe_load.load is dist_checkpointing.load's steps with the safe readers (per release where
+    # they differ): on a real checkpoint, at its layout (TP=2), the installed release's own load
+    # must give the same tensors, sharded objects and common state.
+    directory = trained_run / "checkpoints" / "iter_0000002"
+    spawn_ranks(_safe_load_workers.compare_with_megatron_load, 2, str(directory), str(tmp_path))
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["only_ours"] == result["only_theirs"] == result["differing"] == [], result
+        assert result["tensors"] >= 10  # the model's 10 parameters (and the tensors of the common state)
+        # the common state's entries and the layers' _extra_state objects came through as well
+        assert any(key.startswith("stapo/") for key in result["others"]), result["others"]
+        assert any(key.endswith("_extra_state") for key in result["others"]), result["others"]
 
 
 def test_the_real_index_loads_with_only_the_admitted_classes(trained_run):
@@ -71,15 +92,14 @@ def test_crafted_index_is_refused_in_process(checkpoint, tmp_path, stealth):
 @pytest.mark.parametrize("stealth", [False, True], ids=["payload", "stealth"])
 def test_crafted_common_state_is_refused(checkpoint, tmp_path, stealth):
     flag = tmp_path / "pwned"
-    common = torch.load(checkpoint / "common.pt", weights_only=True)
-    torch.save(Stealth(common, flag) if stealth else Touch(flag), checkpoint / "common.pt")
+    common = read_common(checkpoint)
+    write_common(checkpoint, Stealth(common, flag) if stealth else Touch(flag))
     rehash(checkpoint)
-    with pytest.raises(
-        ConfigError, match=r"common\.pt: refused to load: .*(posix\.system|operator\.itemgetter)"
-    ) as err:
+    source = common_source_pattern(checkpoint)
+    with pytest.raises(ConfigError, match=source + r": refused to load: .*(posix\.system|operator\.itemgetter)") as err:
         load_common(checkpoint)
     _one_line(err)
-    with pytest.raises(ConfigError, match=r"common\.pt: refused to load"):
+    with pytest.raises(ConfigError, match=source + r": refused to load"):
         read_meta(checkpoint)  # the path of `stapo eval`, `stapo convert` and the config checks
     assert not flag.exists()
 
@@ -154,9 +174,9 @@ def test_convert_refuses_a_crafted_stored_object_even_a_stealthy_one(checkpoint,
 
 def test_stapo_convert_cli_prints_one_line(checkpoint, tmp_path):
     flag = tmp_path / "pwned"
-    common = torch.load(checkpoint / "common.pt", weights_only=True)
-    torch.save(Stealth(common, flag), checkpoint / "common.pt")
+    write_common(checkpoint, Stealth(read_common(checkpoint), flag))
     rehash(checkpoint)
+    source = common_source_pattern(checkpoint)
     result = subprocess.run(
         [
             sys.executable,
@@ -175,7 +195,7 @@ def test_stapo_convert_cli_prints_one_line(checkpoint, tmp_path):
     )
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("stapo: error: ")]
-    assert len(errors) == 1 and "common.pt: refused to load: it refers to operator.itemgetter" in errors[0], (
+    assert len(errors) == 1 and re.search(source + ": refused to load: it refers to operator.itemgetter", errors[0]), (
         result.stderr
     )
     assert "Traceback" not in result.stderr

@@ -9,7 +9,24 @@ from stapo_megatron.eval.runner import BenchmarkTask
 from stapo_megatron.rollout.engine import Completion, RolloutEngine, SamplingParams
 
 
-class ScriptedEngine(RolloutEngine):
+class WeightlessEngine(RolloutEngine):
+    """A contract engine's common part: it answers from a script, so it holds no weights and no
+    accelerator memory (generate is the subclass's)."""
+
+    def load_weights(self, named_tensors, version=None):
+        raise RuntimeError(f"{type(self).__name__} has no weights to load")
+
+    def release_memory(self):
+        pass
+
+    def resume_memory(self):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+class ScriptedEngine(WeightlessEngine):
     """Sample s of a problem boxes the right answer when s < its scripted count, else gives up.
 
     The text names the call's seed, so a resumed run that used other seeds would write other text;
@@ -41,20 +58,8 @@ class ScriptedEngine(RolloutEngine):
             out.append(group)
         return out
 
-    def load_weights(self, named_tensors, version=None):
-        raise RuntimeError("the scripted engine has no weights to load")
 
-    def release_memory(self):
-        pass
-
-    def resume_memory(self):
-        pass
-
-    def shutdown(self):
-        pass
-
-
-class ScriptedVerifier(RolloutEngine):
+class ScriptedVerifier(WeightlessEngine):
     """A verifier's engine that answers ``script(sample index)`` about the response in each prompt.
 
     The sample index is read from the response the scripted engine wrote ("Seed N, sample S: ..."),
@@ -80,15 +85,3 @@ class ScriptedVerifier(RolloutEngine):
             ids = self.tokenizer(self.script(sample), add_special_tokens=False)["input_ids"] + [self.end_of_turn]
             out.append([Completion(list(ids), [0.0] * len(ids), "stop")])
         return out
-
-    def load_weights(self, named_tensors, version=None):
-        raise RuntimeError("the scripted verifier has no weights to load")
-
-    def release_memory(self):
-        pass
-
-    def resume_memory(self):
-        pass
-
-    def shutdown(self):
-        pass

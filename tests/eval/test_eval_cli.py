@@ -157,3 +157,20 @@ def test_verifier_errors_come_before_any_generation(capsys, tmp_path, eval_data_
         "stapo: error: --verifier-model: compare tabulates finished evaluations; it judges nothing"
     )
     assert not out.exists()
+
+
+def test_a_custom_reward_function_is_checked_before_any_model_loads(capsys, tmp_path, eval_data_dir):
+    functions = "tests.rewards.custom_reward_functions"
+    base = ["--model", str(tmp_path / "never-read"), "--data-dir", str(eval_data_dir), "reward.kind=custom"]
+    assert error_line(capsys, [*base, f"reward.function={functions}:two_arguments"]) == (
+        f"stapo: error: reward.function: {functions}:two_arguments(response, ground_truth) cannot be called as "
+        "function(response, ground_truth, extra): too many positional arguments"
+    )
+    assert error_line(capsys, [*base, "reward.function=tests.rewards.absent:score"]) == (
+        "stapo: error: reward.function: cannot import module 'tests.rewards.absent' (ModuleNotFoundError: No module "
+        "named 'tests.rewards.absent'; is it installed or on PYTHONPATH?)"
+    )
+    # A good function passes; the model is the next thing checked.
+    assert error_line(capsys, [*base, f"reward.function={functions}:cites_row"]) == (
+        f"stapo: error: --model: {tmp_path / 'never-read'} does not exist"
+    )

@@ -358,3 +358,47 @@ def test_sglang_servers_are_launched_on_the_verifier(tiny_model, eval_data_dir, 
     assert sum(counts.values()) == len(wrong) and counts == {
         status: sum(v["status"] == status for v in verdicts) for status in counts
     }
+
+
+def test_stapo_eval_with_a_custom_reward_function(tiny_model, eval_data_dir, tmp_path, capsys):
+    """``stapo eval ... reward.kind=custom reward.function=...``: the function scores every response with its
+    benchmark row, and belongs to the settings a resumed evaluation must match."""
+    out = tmp_path / "custom"
+    functions = "tests.rewards.custom_reward_functions"
+    args = [
+        "eval",
+        "--model",
+        str(tiny_model),
+        "--data-dir",
+        str(eval_data_dir),
+        "--benchmarks",
+        "aime24",
+        "--limit",
+        "2",
+        "--out",
+        str(out),
+        *COMMON,
+        "reward.kind=custom",
+        f"reward.function={functions}:cites_row",
+    ]
+    assert main(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert (results["settings"]["reward_kind"], results["settings"]["reward_function"]) == (
+        "custom",
+        f"{functions}:cites_row",
+    )
+    ids = [json.loads(line)["id"] for line in (eval_data_dir / "aime24.jsonl").read_text().splitlines()[:2]]
+    records = read_records(out)
+    assert sorted(records) == [("aime24", f"aime24:{row}", s) for row in (1, 2) for s in (0, 1)]
+    for (_, uid, _), record in records.items():
+        boxed = f"\\boxed{{{record['answer']}}}" in record["response"]
+        assert (record["reward"], record["detail"]) == (float(boxed), f"row id {ids[int(uid.split(':')[1]) - 1]}")
+    capsys.readouterr()
+    args[-1] = f"reward.function={functions}:with_row"
+    assert main(args) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if not CONSOLE_LINE.match(line)]
+    assert errors == [
+        f"stapo: error: --out: {out}: holds responses sampled with reward_function='{functions}:cites_row', this "
+        f"evaluation has reward_function='{functions}:with_row' (use another output directory, or --overwrite to "
+        "start over)"
+    ]

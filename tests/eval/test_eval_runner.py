@@ -247,3 +247,31 @@ def test_a_tokenizer_that_cannot_encode_the_benchmarks_is_a_config_error(eval_da
         ConfigError, match=r"^benchmarks: aime24: the tokenizer cannot encode its prompts \(WordLevel error"
     ):
         tasks_for(synthetic_tokenizer(5), eval_data_dir, ["aime24"], limit=1)
+
+
+def test_a_custom_reward_scores_with_the_benchmark_rows(tmp_path, qwen3_tokenizer, eval_data_dir):
+    """reward.kind custom: the function gets each benchmark row; its score is the reward and its reason the
+    record's detail; problem i has i of its 4 samples boxing the answer."""
+    from stapo_megatron.eval.runner import prompt_settings
+
+    tasks = tasks_for(qwen3_tokenizer, eval_data_dir, ["aime24"], limit=3, k=4)
+    reward = RewardConfig(kind="custom", function="tests.rewards.custom_reward_functions:cites_row", num_workers=1)
+    engine = ScriptedEngine(qwen3_tokenizer, tasks, lambda name, i: i)
+    with EvalRun(tmp_path / "run", tasks, SAMPLING, SETTINGS) as run:
+        run.generate(engine, qwen3_tokenizer, reward)
+        results = run.results("m", TRAIN)
+    ids = [json.loads(line)["id"] for line in (eval_data_dir / "aime24.jsonl").read_text().splitlines()[:3]]
+    records = [json.loads(line) for line in (tmp_path / "run" / "responses.jsonl").read_text().splitlines()]
+    assert sorted((r["row"], r["sample"], r["reward"], r["reason"], r["detail"]) for r in records) == [
+        (row, s, float(s < row - 1), "correct" if s < row - 1 else "wrong", f"row id {ids[row - 1]}")
+        for row in (1, 2, 3)
+        for s in range(4)
+    ]
+    assert all(set(r) == {*RECORD_FIELDS, "detail"} and r["extracted"] is None for r in records)
+    score = results["benchmarks"]["aime24"]
+    assert score["avg@k"] == pytest.approx((0 + 1 / 4 + 2 / 4) / 3, rel=1e-12)
+    assert score["reasons"] == {**dict.fromkeys(REASONS, 0), "correct": 3, "wrong": 9}
+    # The function belongs to the settings a resumed evaluation must match; other kinds' settings are unchanged.
+    encoder = PromptEncoder(qwen3_tokenizer, "stapo")
+    assert prompt_settings(encoder, reward)["reward_function"] == reward.function
+    assert "reward_function" not in prompt_settings(encoder, RewardConfig())

@@ -120,3 +120,53 @@ def reference_ablation_keeps(rule: str, micro, q: float, tau_p: float) -> list[t
     keep = real.double()
     keep[members[:budget]] = 0.0
     return list(keep.split([s.logprob.numel() for s in micro]))
+
+
+def reference_off_policy_loss(
+    logprob,
+    prox_logprob,
+    behaviour_logprob,
+    advantages,
+    keep,
+    response_mask,
+    mode: str,
+    eps_low: float,
+    eps_high: float,
+    clip_ratio_c: float,
+    cap: float,
+    floor: float | None = None,
+):
+    """fp64 decoupled-PPO loss of docs/async.md ("The objective off-policy") for [sequences, tokens]
+    inputs, written from its definition as the objective J to maximise: per response token
+    J_t = rho_t * min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A), raised to clip_ratio_c * A
+    where A < 0 (dual-clip), r_t = pi_theta / pi_prox; rho_t and the acceptance from
+    w_t = pi_prox / mu (``mode``: none, tis_token, tis_seq, mis_token, mis_seq); averaged over the
+    kept, accepted tokens. Returns (loss = -J, the number of tokens averaged over, the mean |J_t|
+    over them: the scale of the rounding error of a sum of those terms); autograd-capable in
+    ``logprob``."""
+    lp = logprob.double()
+    prox = prox_logprob.double()
+    response = response_mask != 0
+    a = advantages.double()[:, None].expand_as(lp)
+    ratio = torch.exp(torch.where(response, lp - prox, 0.0))
+    surrogate = torch.minimum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)
+    surrogate = torch.where(a < 0, torch.maximum(surrogate, clip_ratio_c * a), surrogate)
+    log_w = torch.where(response, prox - behaviour_logprob.double(), 0.0)
+    token_w = log_w.exp()
+    sequence_w = log_w.sum(-1, keepdim=True).exp().expand_as(lp)
+    floor = 1 / cap if floor is None else floor
+    rho, accepted = torch.ones_like(lp), response
+    if mode == "tis_token":
+        rho = token_w.clamp(max=cap)
+    elif mode == "tis_seq":
+        rho = sequence_w.clamp(max=cap)
+    elif mode == "mis_token":
+        accepted = response & (token_w >= floor) & (token_w <= cap)
+    elif mode == "mis_seq":
+        accepted = response & (sequence_w >= floor) & (sequence_w <= cap)
+    elif mode != "none":
+        raise ValueError(f"mode: {mode!r} has no reference here")
+    counted = accepted & (keep != 0)
+    terms = torch.where(counted, keep.double() * rho * surrogate, 0.0)
+    scale = float(terms.detach().abs().sum() / counted.sum())
+    return -terms.sum() / counted.sum(), int(counted.sum()), scale

@@ -321,6 +321,106 @@ def dp_tp_token_mean_gradient_equals_single_process(ctx):
     assert math.isclose(float(metrics["pg_loss_sum"]), float(ref_metrics["pg_loss_sum"]), rel_tol=1e-5)
 
 
+def dp_tp_off_policy_loss_matches_fp64_reference(ctx):
+    """The decoupled objective with tis_token (docs/async.md) over TP=2 x DP=2 x 2 micro-batches:
+    each sequence's prefix sampled by an older weight version than its continuation, the
+    proximal policy another version on; S2T from the current policy's statistics over the whole
+    mini-batch. The token-mean gradient of the shard, reduced over DP, equals the fp64 reference's
+    on the whole mini-batch at TP=1 (fp32 in the loss: relative 1e-5)."""
+    from stapo_megatron.loss import AlgoConfig, TokenStats, minibatch_threshold, select_tokens
+    from stapo_megatron.loss import vocab_parallel_logprob_entropy as token_statistics
+    from tests.loss._loss_call import loss_of
+    from tests.loss._reference import reference_ablation_keeps, reference_off_policy_loss
+
+    vocab = QWEN3_VOCAB
+    cfg = AlgoConfig(rollout_correction="tis_token")
+    weight, batches = _model_minibatch(vocab, seed=90)
+    gen = torch.Generator().manual_seed(91)
+    w64 = weight.double()
+    older = w64 + 0.15 * torch.randn(w64.shape, generator=gen, dtype=torch.float64)  # v0
+    newer = older + 0.15 * torch.randn(w64.shape, generator=gen, dtype=torch.float64)  # v1
+    prox = newer + 0.15 * torch.randn(w64.shape, generator=gen, dtype=torch.float64)
+    for b in batches:
+        rows, cols = b["targets"].shape
+        h = b["h"].double()
+
+        def lp_of(w, h=h, b=b):
+            return reference_logprob_entropy(h @ w, b["targets"], vocab)[0]
+
+        from_older = torch.arange(cols)[None, :] < torch.randint(0, cols + 1, (rows, 1), generator=gen)
+        b["behaviour"] = torch.where(from_older, lp_of(older), lp_of(newer))
+        b["prox"] = lp_of(prox)
+
+    # --- the reference: fp64, TP=1, the whole mini-batch ---
+    w_ref = w64.clone().requires_grad_()
+    cat = {k: torch.cat([b[k] for b in batches]) for k in ("h", "targets", "advantages", "response_mask")}
+    cat.update({k: torch.cat([b[k] for b in batches]) for k in ("behaviour", "prox")})
+    ref_lp, ref_ent = reference_logprob_entropy(cat["h"].double() @ w_ref, cat["targets"], vocab)
+    ref_stats = [TokenStats(ref_lp.detach().float(), ref_ent.detach().float(), cat["advantages"], cat["response_mask"])]
+    (ref_keep,) = reference_ablation_keeps("s2t", ref_stats, cfg.q, cfg.tau_p)
+    ref_keep = ref_keep.view_as(ref_lp)
+    ref_loss, ref_n, _ = reference_off_policy_loss(
+        ref_lp,
+        cat["prox"],
+        cat["behaviour"],
+        cat["advantages"],
+        ref_keep,
+        cat["response_mask"],
+        "tis_token",
+        cfg.eps_low,
+        cfg.eps_high,
+        cfg.clip_ratio_c,
+        cfg.rollout_correction_cap,
+    )
+    ref_loss.backward()
+
+    # --- this rank: its TP shard of W, its DP share of the micro-batches ---
+    mine = [2 * ctx.dp_rank + j for j in range(2)]
+    w_shard = _shard(weight, ctx.tp_rank, 2).clone().requires_grad_()
+
+    def stats(i):
+        b = batches[i]
+        lp, ent = token_statistics(b["h"] @ w_shard, b["targets"], ctx.tp_group, vocab_size=vocab)
+        return lp, TokenStats(lp.detach(), ent.detach(), b["advantages"], b["response_mask"])
+
+    with torch.no_grad():  # the statistics pass of the current policy
+        threshold = minibatch_threshold(cfg, [stats(i)[1] for i in mine], ctx.dp_group)
+    count = torch.zeros((), dtype=torch.int32)
+    keeps = []
+    for i in mine:
+        lp, st = stats(i)
+        sel = select_tokens(cfg, st, threshold)
+        keeps.append(sel.keep)
+        b = batches[i]
+        loss_sum, n, _ = loss_of(
+            lp,
+            b["prox"],
+            b["advantages"],
+            sel.keep,
+            cfg,
+            response_mask=b["response_mask"],
+            rollout_logprob=b["behaviour"],
+        )
+        loss_sum.backward()
+        count += n
+    dist.all_reduce(count, group=ctx.dp_group)
+    grad = w_shard.grad.double()
+    dist.all_reduce(grad, group=ctx.dp_group)
+    grad /= int(count)
+
+    assert int(count) == ref_n, (int(count), ref_n)
+    rows = [b["h"].shape[0] for b in batches]
+    for j, i in enumerate(mine):
+        part = slice(sum(rows[:i]), sum(rows[: i + 1]))
+        assert torch.equal(keeps[j].double(), ref_keep[part]), f"keep mask of micro-batch {i}"
+    assert int((cat["response_mask"] & (ref_keep == 0)).sum()) > 0, "S2T silenced nothing"
+    log_w = (cat["prox"] - cat["behaviour"])[cat["response_mask"]]
+    assert int((log_w > math.log(cfg.rollout_correction_cap)).sum()) > 0, "TIS truncated nothing"
+    ref_shard = _shard(w_ref.grad, ctx.tp_rank, 2)
+    rel = (grad - ref_shard).abs().max() / ref_shard.abs().max()
+    assert rel < 1e-5, f"gradient relative difference {float(rel):.3g}"
+
+
 CHECKS = {
     fn.__name__: fn
     for fn in (
@@ -334,6 +434,7 @@ CHECKS = {
         dp_gather_uneven_counts,
         dp_minibatch_quantile_equals_single_process,
         dp_tp_token_mean_gradient_equals_single_process,
+        dp_tp_off_policy_loss_matches_fp64_reference,
     )
 }
 

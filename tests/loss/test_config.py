@@ -16,6 +16,7 @@ from stapo_megatron.loss import (
     TokenStats,
     minibatch_threshold,
     needs_statistics_pass,
+    resolve_rollout_correction,
     select_tokens,
 )
 from tests.loss._reference import rule_keeps
@@ -92,7 +93,10 @@ def test_presets_differ_only_where_documented():
         if cfg.objective != "ppo_clip" or cfg.name == "grpo":  # their papers' clips and aggregation
             continue
         assert (cfg.eps_low, cfg.eps_high, cfg.aggregation, cfg.kl_coef) == (0.2, 0.28, "token_mean", 0.0)
-        assert (cfg.log_ratio_clamp, cfg.rollout_correction) == (20.0, "none")  # the papers use no correction
+        assert (cfg.log_ratio_clamp, cfg.rollout_correction) == (20.0, "auto")
+    for cfg in p.values():  # the papers use no correction: auto is none in the synchronous loop
+        assert resolve_rollout_correction(cfg, 0).rollout_correction == "none", cfg.name
+        assert resolve_rollout_correction(cfg, 1).rollout_correction == "tis_token", cfg.name
 
 
 @pytest.mark.parametrize(

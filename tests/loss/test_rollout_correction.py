@@ -1,14 +1,23 @@
 """Rollout correction (TIS / MIS against the engine's log-probs) and the mismatch split by S2T's
-candidates, on hand-computed examples."""
+candidates, on hand-computed examples; ``auto`` and its resolution by the staleness bound."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from stapo_megatron.loss import mismatch_sums, rollout_correction, summarize_mismatch
+from stapo_megatron.config import ConfigError
+from stapo_megatron.loss import (
+    AlgoConfig,
+    PolicyLoss,
+    mismatch_sums,
+    resolve_rollout_correction,
+    rollout_correction,
+    summarize_mismatch,
+)
 from tests.loss._loss_call import loss_of
 
 
@@ -126,3 +135,25 @@ def test_mismatch_split_by_candidates_by_hand():
     assert out["mismatch/candidates_tokens"] == 3.0
     empty = summarize_mismatch(mismatch_sums(old, rollout, mask, torch.zeros_like(candidates)))
     assert empty["mismatch/candidates_abs_mean"] == 0.0 and empty["mismatch/candidates_tokens"] == 0.0
+
+
+def test_auto_resolves_by_staleness_and_an_explicit_choice_stays():
+    auto = AlgoConfig()
+    assert auto.rollout_correction == "auto"  # the default, and every preset's
+    sync = resolve_rollout_correction(auto, 0)
+    assert sync.rollout_correction == "none" and sync == dataclasses.replace(auto, rollout_correction="none")
+    for k in (1, 4):
+        resolved = resolve_rollout_correction(auto, k)
+        assert resolved.rollout_correction == "tis_token" and resolved.rollout_correction_cap == 2.0
+    assert auto.rollout_correction == "auto"  # a copy: the input is left as it was
+    for explicit in ("none", "mis_token", "tis_seq"):
+        cfg = AlgoConfig(rollout_correction=explicit)
+        assert resolve_rollout_correction(cfg, 0) == resolve_rollout_correction(cfg, 3) == cfg
+    with pytest.raises(ConfigError, match=r"^rollout.async.max_staleness: must be an integer >= 0, got -1$"):
+        resolve_rollout_correction(auto, -1)
+
+
+def test_PolicyLoss_refuses_an_unresolved_auto():
+    with pytest.raises(ValueError, match=r"^algo.rollout_correction: 'auto' is unresolved; resolve_rollout_correction"):
+        PolicyLoss(AlgoConfig())
+    PolicyLoss(resolve_rollout_correction(AlgoConfig(), 0))

@@ -8,6 +8,12 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+# The custom reward functions are named tests.rewards.<module>:<function> and examples.custom_reward.<...>;
+# the workers import them with this process's sys.path, which must hold the repository root (the
+# editable install does not put it there).
+REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
+if REPO_ROOT not in sys.path:
+    sys.path.append(REPO_ROOT)
 
 from stapo_megatron.rewards import RewardPool  # noqa: E402
 

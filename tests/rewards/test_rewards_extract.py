@@ -148,6 +148,13 @@ def test_reward_result_checks_reward_and_reason():
         RewardResult(1.0, "wrong")
     with pytest.raises(ValueError, match="does not go with"):
         RewardResult(0.0, "correct")
+    # A custom reward's partial credit: strictly between 0 and 1, and only with "partial".
+    assert RewardResult(0.25, "partial", detail="one of four").reward == 0.25
+    for reward, reason in ((0.5, "wrong"), (0.0, "partial"), (1.0, "partial"), (1.5, "correct"), (-0.5, "wrong")):
+        with pytest.raises(ValueError, match="does not go with"):
+            RewardResult(reward, reason)
+    with pytest.raises(ValueError, match="does not go with"):
+        RewardResult(float("nan"), "partial")
 
 
 def test_summarize_reasons_counts_every_reason():

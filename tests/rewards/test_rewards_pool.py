@@ -200,12 +200,13 @@ def test_a_dead_workers_sent_results_settle_before_its_crash_is_charged():
         worker.conn.close()
         worker.conn = ours
         worker.inflight = collections.deque([3, 4, 5])
-        theirs.send((3, "correct", 0.01))
-        theirs.send((4, "wrong", 0.02))
+        theirs.send((3, "correct", 0.01, 1.0, None))
+        theirs.send((4, "wrong", 0.02, 0.0, None))
         theirs.close()  # the worker died on task 5
         queue, out = collections.deque(), [None] * 6
         settled = pool._on_death(worker, queue, out)
         assert settled == 3
-        assert out[3] == ("correct", 0.01) and out[4] == ("wrong", 0.02)
-        assert out[5][0] == "error"
+        assert out[3] == ("correct", 0.01, 1.0, None) and out[4] == ("wrong", 0.02, 0.0, None)
+        assert (out[5][0], out[5][2]) == ("error", 0.0)
+        assert out[5][3].startswith("the worker died on it (exit code ")
         assert not queue  # nothing is retried

@@ -23,6 +23,8 @@ its ``server_command`` setting. Process-only behaviour comes from environment va
 * ``FAKE_SGLANG_STARTUP_S``: answer 503 on the health routes for this long after start;
 * ``FAKE_SGLANG_TOKEN_S``: seconds each ``/generate`` takes per token it may generate (n x
   max_new_tokens per prompt), as a GPU's decode time grows with them; requests overlap;
+* ``FAKE_SGLANG_VOCAB``: sampled token ids are below this (default 50; a model's vocabulary when a
+  trainer must read the tokens, as benchmarks/async_rollouts.py's scripted server);
 * ``FAKE_SGLANG_PAUSED_HEALTH_S``: how long ``/health`` and ``/health_generate`` wait while generation
   is paused before answering 503 (SGLang: 20 s; also the thread mode's default).
 
@@ -57,7 +59,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 DEFAULT_VERSION = "0.5.23"
-VOCAB = 50
+VOCAB = int(os.environ.get("FAKE_SGLANG_VOCAB", "50"))  # sampled token ids are below it
 PAUSED_HEALTH_S = 20.0  # SGLang's health generation gives up after this long (HEALTH_CHECK_TIMEOUT)
 
 # GenerateReqInput fields a client may send to /generate.
@@ -248,6 +250,9 @@ class FakeState:
         # Knobs tests may set in thread mode.
         self.abort_next = 0  # answer this many /generate calls with finish_reason abort
         self.flush_busy = 0  # answer this many /flush_cache calls with 400 (requests running)
+        # Cleared: every /generate, its answer made, waits until it is set again (a request in flight).
+        self.answer_gate = threading.Event()
+        self.answer_gate.set()
         # --preferred-sampling-params: reported by /server_info (a JSON string, as ServerArgs holds
         # it) and merged under each request's sampling_params, as SGLang's TokenizerManager does.
         self.preferred_sampling_params: dict | None = None
@@ -399,23 +404,22 @@ class FakeState:
                 if abort:
                     tokens, logprobs = tokens[:1], logprobs[:1]
                     finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
-                items.append(
-                    {
-                        "output_ids": tokens,
-                        "meta_info": {
-                            "id": uuid.uuid4().hex,
-                            "finish_reason": finish,
-                            "prompt_tokens": len(prompt),
-                            "completion_tokens": len(tokens),
-                            "cached_tokens": 0,
-                            "weight_version": self.weight_version,
-                            # 0.5.23: which weights produced which output tokens
-                            "weight_versions": [{"version": self.weight_version, "start": 0, "end": len(tokens)}],
-                            "e2e_latency": 0.001,
-                            "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, tokens)],
-                        },
-                    }
-                )
+                meta = {
+                    "id": uuid.uuid4().hex,
+                    "finish_reason": finish,
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": len(tokens),
+                    "cached_tokens": 0,
+                    "weight_version": self.weight_version,
+                    "e2e_latency": 0.001,
+                    "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, tokens)],
+                }
+                if self.version >= (0, 5, 23):
+                    # Which weights produced which output tokens (end exclusive; the prompt is not counted;
+                    # aborted answers too): one segment, as the fake's weights never change while it answers.
+                    meta["weight_versions"] = [{"version": self.weight_version, "start": 0, "end": len(tokens)}]
+                items.append({"output_ids": tokens, "meta_info": meta})
+        self.answer_gate.wait()
         if self.token_s:
             time.sleep(self.token_s * sum(n * int(p.get("max_new_tokens", 128)) for p in sps))
         self.record_completion(prompts, n)

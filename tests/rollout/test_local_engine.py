@@ -73,6 +73,24 @@ def test_same_seed_same_samples_and_top_p_restricts_the_support(engine):
     assert len({c.token_ids[0] for c in nucleus[0]}) == 1  # a tiny nucleus holds only the top token
 
 
+def test_every_token_carries_the_version_of_the_weights_that_sampled_it(hf_model):
+    """Each token gets load_weights' version (stopped samples: as many versions as tokens); weights
+    loaded without one carry none."""
+    directory, reference = hf_model
+    engine = LocalEngine(Qwen3Config.from_hf(directory))
+    engine.load_weights(reference.named_parameters())
+    [group] = engine.generate([[3, 4, 5]], SamplingParams(n=2, max_new_tokens=3, seed=1))
+    assert [c.versions for c in group] == [None, None]
+    for version in (7, 8):
+        engine.load_weights(reference.named_parameters(), version=version)
+        stops = tuple(range(0, Qwen3Config.from_hf(directory).vocab_size, 2))
+        params = SamplingParams(n=6, max_new_tokens=6, stop_token_ids=stops, seed=version)
+        for group in engine.generate([[3, 4, 5], [7, 8]], params):
+            assert {c.finish_reason for c in group} <= {"stop", "length"}
+            assert all(c.versions == [version] * len(c.token_ids) for c in group)
+        assert any(len(c.token_ids) < 6 for c in group)  # some stopped early: versions follow their length
+
+
 def test_load_weights_rejects_unknown_missing_and_misshapen_tensors(hf_model):
     directory, reference = hf_model
     engine = LocalEngine(Qwen3Config.from_hf(directory))

@@ -48,7 +48,7 @@ def test_layout_is_validated_with_one_line_errors(monkeypatch):
     assert plan_node_servers(colocated, 8, 3) == [2, 2, 2]
     with pytest.raises(ConfigError, match=r"^rollout.sglang.tp_size: 4 does not divide the 6 GPUs per node"):
         plan_node_servers(colocated, 6, 2)
-    assert plan_node_servers(SGLangConfig(model_path="m", num_servers=3, base_gpu_id=8), 8, 2) == [3, 0]
+    assert plan_node_servers(SGLangConfig(model_path="m", num_servers=3, base_gpu_id=8), 8, 2) == [3, 3]
     assert plan_node_servers(SGLangConfig(urls=["http://h:1"]), 8, 2) == [0, 0]
     with pytest.raises(ConfigError, match=r"^rollout.sglang.host: 127.0.0.1 is reachable only from its own node"):
         advertised_host(colocated, 2)

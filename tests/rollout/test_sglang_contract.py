@@ -405,6 +405,52 @@ def test_single_prompt_dict_response_is_parsed():
     assert completion.token_ids == tokens and completion.finish_reason == "length"
 
 
+def test_a_weight_sync_runs_while_a_generate_is_in_flight(fake):
+    """generate() does not hold the engine while its requests run: load_weights (version 2) completes
+    while a request answered under version 1 is still in flight, and that answer is accepted, each
+    token with version 1, because the engine synced while it ran. Without a sync the same answer
+    would be stale (the unit tests of the parser)."""
+    cfg = attach_config(fake.url, placement="colocated", weight_sync="tensor", weight_bucket_bytes=BUCKET)
+    with SGLangEngine(cfg, expected_weight_names=NAMES, tensor_serializer=serialize_tensors) as engine:
+        engine.load_weights(weights_stream(1), version=1)
+        fake.state.answer_gate.clear()  # the next answer is made (version 1) and then held
+        calls = fake.state.generate_calls
+        result: dict = {}
+        generating = threading.Thread(
+            target=lambda: result.setdefault("groups", engine.generate([[1, 2], [3]], SamplingParams(max_new_tokens=4)))
+        )
+        generating.start()
+        while fake.state.generate_calls == calls:  # the request reached the server
+            time.sleep(0.01)
+        engine.load_weights(weights_stream(2), version=2)
+        assert fake.state.weight_version == "2" and generating.is_alive()
+        fake.state.answer_gate.set()
+        generating.join(30)
+        assert [[c.versions for c in group] for group in result["groups"]] == [[[1] * 4], [[1] * 4]]
+        [[after]] = engine.generate([[1, 2]], SamplingParams(max_new_tokens=3))
+        assert after.versions == [2, 2, 2]
+
+
+def test_answers_during_a_sync_carry_its_version_before_the_engine_confirms_it(fake):
+    """Between the servers taking a new version and the engine hearing of it (weights_synced), answers
+    already carry it: accepted while a sync the engine planned is under way; a version nobody synced
+    is stale, and the server is kept out."""
+    cfg = attach_config(fake.url, placement="colocated", weight_sync="tensor", weight_bucket_bytes=BUCKET)
+    with SGLangEngine(cfg, expected_weight_names=NAMES, tensor_serializer=serialize_tensors) as engine:
+        engine.load_weights(weights_stream(1), version=1)
+        engine.weight_sync_plan()  # a sync begins; its version is known to the engine when it completes
+        fake.state.weight_version = "2"  # the server has it already
+        [[during]] = engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+        assert during.versions == [2, 2]
+        engine.weights_synced(2)
+        [[after]] = engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+        assert after.versions == [2, 2]
+        fake.state.weight_version = "5"  # no sync under way
+        with pytest.raises(SGLangWeightSyncError):
+            engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+        assert engine.server_status()[0]["stale"]
+
+
 def test_seeded_sampling_sends_one_sampling_seed_per_sample(fake):
     fake.state.deterministic = True  # as launched with --enable-deterministic-inference: only then do seeds act
     prompts = [[1, 2, 3], [4, 5], [6]]

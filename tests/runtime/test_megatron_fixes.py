@@ -39,7 +39,8 @@ def test_init_distributed_applies_the_fixes(tmp_path):
     spawn_ranks(_fixes_workers.fixes_after_init, 1, str(tmp_path))
     got = json.loads((tmp_path / "fixes.json").read_text())
     assert got["applied_before"] == {}
-    assert got["before"] == {STEP_READ: True, STEP_COPIED: True, STEP_SHARED: True}  # 0.16.1 has all three
+    # every tested release (0.16.1, 0.17.1, 0.18.2, 0.19.2) has all three
+    assert got["before"] == {STEP_READ: True, STEP_COPIED: True, STEP_SHARED: True}
     # The patched methods no longer hold the bugs; fix 1 wraps sharded_state_dict around the
     # state_dict that still asserts, so its bug stays visible there.
     assert got["after"] == {STEP_READ: True, STEP_COPIED: False, STEP_SHARED: False}
@@ -48,18 +49,53 @@ def test_init_distributed_applies_the_fixes(tmp_path):
 
 def test_buggy_code_is_recognised_whatever_its_formatting():
     fix = next(f for f in megatron_fixes.FIXES if f.name == STEP_SHARED)
-    source = (
-        "def load_state_dict(self, state_dict):\n"
-        "    for s in state_dict_state.values():  # a comment\n\n"
-        "        s[ 'step' ]=step\n"
-    )
-    assert megatron_fixes._code(fix.buggy_code) in megatron_fixes._code(source)
-    corrected = source.replace("=step", "=step.detach().clone()")
-    assert megatron_fixes._code(fix.buggy_code) not in megatron_fixes._code(corrected)
+
+    class Optimizer:
+        def load_state_dict(self, state_dict):
+            for s in state_dict_state.values():  # a comment  # noqa: F821
+                s[ 'step' ]=step  # fmt: skip  # noqa: F821
+
+    assert fix.bug_present(Optimizer)
+
+    class Corrected:
+        def load_state_dict(self, state_dict):
+            for s in state_dict_state.values():  # noqa: F821
+                s["step"] = step.detach().clone()  # noqa: F821
+
+    assert not fix.bug_present(Corrected)
+
+
+def test_each_release_lines_form_of_the_copy_is_recognised():
+    fix = next(f for f in megatron_fixes.FIXES if f.name == STEP_COPIED)
+
+    class Release016:
+        def _set_main_param_and_optimizer_states(self, model_param, tensors):
+            dst_tensors = {}
+            for key in dst_tensors:
+                dst_tensors[key].copy_(tensors[key])
+
+    class Release017:  # 0.17 to 0.19: the copy skips non-tensor entries
+        def _set_main_param_and_optimizer_states(self, model_param, tensors):
+            dst_tensors = {}
+            for key in dst_tensors:
+                if not isinstance(tensors[key], torch.Tensor):
+                    continue
+                dst_tensors[key].copy_(tensors[key])
+
+    class Corrected:
+        def _set_main_param_and_optimizer_states(self, model_param, tensors):
+            dst_tensors = {}
+            with torch.no_grad():
+                for key in dst_tensors:
+                    if key != "step":
+                        dst_tensors[key].copy_(tensors[key])
+
+    assert fix.bug_present(Release016) and fix.bug_present(Release017)
+    assert not fix.bug_present(Corrected)
 
 
 def test_untested_release_is_reported_once_and_not_patched(optimizer_class, monkeypatch, caplog):
-    monkeypatch.setattr(megatron_fixes, "megatron_version", lambda: "0.18.0")
+    monkeypatch.setattr(megatron_fixes, "megatron_version", lambda: "0.20.0")
     monkeypatch.delenv("RANK", raising=False)  # rank 0 warns; the other ranks say it at info level
     before = _methods(optimizer_class)
     with caplog.at_level(logging.WARNING, logger=megatron_fixes.__name__):
@@ -69,7 +105,11 @@ def test_untested_release_is_reported_once_and_not_patched(optimizer_class, monk
     assert _methods(optimizer_class) == before
     warnings = [r.getMessage() for r in caplog.records if r.name == megatron_fixes.__name__]
     assert len(warnings) == 1
-    assert "megatron-core 0.18.0" in warnings[0] and "0.16.1" in warnings[0] and "test_resume" in warnings[0]
+    assert (
+        "megatron-core 0.20.0" in warnings[0]
+        and "0.16, 0.17, 0.18, 0.19" in warnings[0]
+        and "test_resume" in warnings[0]
+    )
 
 
 def test_release_without_the_bug_is_not_patched(optimizer_class, monkeypatch):

@@ -11,8 +11,12 @@ most tests, other engines attach to those servers.
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
+import queue
 import secrets
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -20,7 +24,7 @@ import pytest
 import torch
 
 from stapo_megatron.rollout.config import SGLangConfig
-from stapo_megatron.rollout.sglang_client import request
+from stapo_megatron.rollout.sglang_client import request, split_url
 from stapo_megatron.rollout.sglang_engine import SGLangEngine, expected_names_from_hf_checkpoint
 from tests.helpers import save_tiny_qwen3
 from tests.sglang_real.sglang_venv import SGLangVenv, ensure_sglang_venv
@@ -169,6 +173,66 @@ def generate_body(prompts, **sampling) -> dict:
         "return_logprob": True,
         "logprob_start_len": -1,
     }
+
+
+class StreamedGenerate:
+    """One ``/generate`` streamed (``stream: true``) in a thread: the test sees the request's progress
+    as the server reports it, chunk by chunk, and takes the last chunk, which is the whole answer
+    (SGLang streams cumulative output by default), as the answer."""
+
+    def __init__(self, url: str, body: dict, api_key: str, timeout: float = 300.0):
+        _, host, port = split_url(url)
+        self._conn = http.client.HTTPConnection(host, port, timeout=timeout)
+        self._chunks: queue.Queue = queue.Queue()
+        self._last: dict | None = None
+        self._done = False
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"}
+        self._conn.request("POST", "/generate", json.dumps({**body, "stream": True}), headers)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            resp = self._conn.getresponse()
+            if resp.status != 200:
+                self._chunks.put(RuntimeError(f"/generate answered HTTP {resp.status}: {resp.read()[:300]!r}"))
+                return
+            for raw in resp:
+                line = raw.decode().strip()
+                if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                    self._chunks.put(json.loads(line[5:]))
+            self._chunks.put(None)
+        except Exception as err:  # noqa: BLE001 - handed to the test's thread
+            self._chunks.put(err)
+        finally:
+            self._conn.close()
+
+    def next_chunk(self, timeout: float = 300.0) -> dict | None:
+        """The next chunk as it arrives; None once the answer is complete."""
+        if self._done:
+            return None
+        item = self._chunks.get(timeout=timeout)
+        if isinstance(item, Exception):
+            raise item
+        if item is None:
+            self._done = True
+            return None
+        self._last = item
+        return item
+
+    def wait_for_tokens(self, count: int) -> dict:
+        """Blocks until the server reports ``count`` output tokens, unfinished (the chunk saying so)."""
+        while (chunk := self.next_chunk()) is not None:
+            if chunk["meta_info"]["finish_reason"] is None and chunk["meta_info"]["completion_tokens"] >= count:
+                return chunk
+        raise AssertionError(f"the request finished before {count} tokens: {self._last}")
+
+    def answer(self) -> dict:
+        """The complete answer (its last chunk), once the request finished."""
+        while self.next_chunk() is not None:
+            pass
+        assert self._last is not None and self._last["meta_info"]["finish_reason"] is not None, self._last
+        return self._last
 
 
 def checksums(url: str, api_key: str) -> dict[str, str]:

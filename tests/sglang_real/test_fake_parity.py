@@ -5,15 +5,13 @@ values where SGLang fixes them). Where they differ the fake is wrong."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 from typing import Any
 
 import pytest
 
 from stapo_megatron.rollout.sglang_client import HttpResponse, TransportError, request
 from tests.rollout.fake_sglang import FakeSGLangServer
-from tests.sglang_real.conftest import VOCAB, generate_body
+from tests.sglang_real.conftest import VOCAB, StreamedGenerate, generate_body
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
 
@@ -90,29 +88,32 @@ def test_the_fake_answers_as_the_real_server(served, fake, api_key):
     )
     fake_info, real_info = compare("model_info", both("GET", "/model_info"))
     assert fake_info["weight_version"] == real_info["weight_version"] == "parity-1"
-    compare("versions of the tokens", both("POST", "/generate", generate_body([1, 2])))
+    versioned = compare("versions of the tokens", both("POST", "/generate", generate_body([1, 2])))
+    for item in versioned:  # one segment over the output tokens (end exclusive), named as weight_version
+        meta = item["meta_info"]
+        assert meta["weight_versions"] == [{"version": "parity-1", "start": 0, "end": len(item["output_ids"])}]
+        assert meta["weight_version"] == "parity-1"
     for path in ("/begin_weight_update", "/begin_weight_update", "/end_weight_update", "/end_weight_update"):
         compare(path, both("POST", path, {}), exact=True)
     compare("pause", both("POST", "/pause_generation", {"mode": "in_place"}), exact=True)
     compare("continue", both("POST", "/continue_generation", {}), exact=True)
 
-    # A pause that aborts a running request: the real one mid-generation, the fake's by its knob.
-    long = generate_body([[1, 2]], max_new_tokens=480)
-    result: dict = {}
-
-    def generate_on_real() -> None:
-        result["real"] = answer(request(real_url, "POST", "/generate", long, api_key=api_key, timeout=120))
-
-    running = threading.Thread(target=generate_on_real)
-    running.start()
-    time.sleep(0.5)
+    # A pause that aborts a running request: the real one mid-generation (its stream shows it generating),
+    # the fake's by its knob.
+    long = generate_body([1, 2], max_new_tokens=480)
+    running = StreamedGenerate(real_url, long, api_key)
+    running.wait_for_tokens(1)
     request(real_url, "POST", "/pause_generation", {"mode": "abort"}, api_key=api_key, timeout=60)
-    running.join(60)
+    real_abort = (200, running.answer())
     request(real_url, "POST", "/continue_generation", {}, api_key=api_key, timeout=60)
     fake.state.abort_next = 1
     fake_abort = answer(request(fake.url, "POST", "/generate", long, api_key=api_key, timeout=60))
-    fake_aborted, real_aborted = compare("aborted", (fake_abort, result["real"]))
-    assert fake_aborted[0]["meta_info"]["finish_reason"] == real_aborted[0]["meta_info"]["finish_reason"]
+    fake_aborted, real_aborted = compare("aborted", (fake_abort, real_abort))
+    assert fake_aborted["meta_info"]["finish_reason"] == real_aborted["meta_info"]["finish_reason"]
+    for item in (fake_aborted, real_aborted):  # the tokens generated before the abort, and their version
+        assert item["meta_info"]["weight_versions"] == [
+            {"version": "parity-1", "start": 0, "end": len(item["output_ids"])}
+        ]
     # SGLang 0.5.23's scheduler dies (KeyError) resuming a tag it never released, and the server with it
     # (measured; not repeated here, a restart costs half a minute): the fake fails the call too.
     with pytest.raises(TransportError, match="HTTP 500"):

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import torch
 
-from stapo_megatron.loss import AlgoConfig
+from stapo_megatron.loss import AlgoConfig, resolve_rollout_correction
 from stapo_megatron.trainer.batch import RolloutBatch
 
 TEMPERATURE = 0.7  # not 1: the reference pass must divide the logits by the rollout temperature
@@ -60,7 +60,7 @@ def config(**algo) -> SimpleNamespace:
         compute=SimpleNamespace(logits_chunk_size=64),
         run=SimpleNamespace(seed=0),
         parallel=SimpleNamespace(sequence_parallel=False),
-        algo=AlgoConfig(**algo),
+        algo=resolve_rollout_correction(AlgoConfig(**algo), 0),
     )
 
 

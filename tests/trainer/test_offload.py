@@ -263,7 +263,7 @@ def test_phases_around_generation_run_in_the_order_the_gpu_memory_needs(monkeypa
     rollouts = SimpleNamespace(
         resume_engine=lambda: calls.append("engine resume"),
         release_engine=lambda: calls.append("engine release"),
-        sync_weights=lambda model, version: calls.append(f"sync {version}"),
+        sync_weights=lambda model, version, timer: calls.append(f"sync {version}"),
     )
     holder = SimpleNamespace(
         rank=0,

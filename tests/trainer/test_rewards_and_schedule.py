@@ -33,7 +33,7 @@ class _ScriptedVerdicts:
     def __init__(self, verdicts):
         self.verdicts = verdicts
 
-    def score(self, texts, answers):
+    def score(self, texts, answers, extras=None):
         assert len(texts) == len(self.verdicts)
         return [RewardResult(1.0, "correct") if v else RewardResult(0.0, "wrong") for v in self.verdicts]
 

@@ -128,7 +128,7 @@ def test_only_rank0_reaches_the_rollout_side(tmp_path, monkeypatch):
     other.release_engine()
     other.resume_engine()
     other.write_row(1, {"reward/mean": 0.5})
-    other.sync_weights("model", version=1)
+    other.sync_weights("model", version=1, timer=timer)
     assert other.agree_to_stop(False)  # rank 0 asked (any_rank): every rank stops
     assert (tmp_path / STOP_FILE).exists()  # only rank 0 removes the file
     other.close()
@@ -141,7 +141,7 @@ def test_only_rank0_reaches_the_rollout_side(tmp_path, monkeypatch):
     rank0.release_engine()
     rank0.resume_engine()
     rank0.write_row(2, {"reward/mean": 0.5})
-    rank0.sync_weights("model", version=2)
+    rank0.sync_weights("model", version=2, timer=timer)
     assert rank0.agree_to_stop(False)
     assert not (tmp_path / STOP_FILE).exists()
     rank0.close()

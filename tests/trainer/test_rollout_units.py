@@ -39,7 +39,7 @@ class _Verdicts:
     def __init__(self, rounds):
         self.rounds = list(rounds)
 
-    def score(self, texts, answers):
+    def score(self, texts, answers, extras=None):
         verdicts = self.rounds.pop(0)
         assert len(texts) == len(verdicts) == len(answers)
         return [RewardResult(1.0, "correct") if v else RewardResult(0.0, "wrong") for v in verdicts]

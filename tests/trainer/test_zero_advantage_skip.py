@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from stapo_megatron.loss import AlgoConfig
+from stapo_megatron.loss import AlgoConfig, resolve_rollout_correction
 from stapo_megatron.models.qwen3.config import Qwen3Config
 from stapo_megatron.runtime.launch import spawn_ranks
 from stapo_megatron.trainer.batch import RolloutBatch
@@ -90,7 +90,7 @@ def _cfg(skip: bool, **algo) -> SimpleNamespace:
         compute=SimpleNamespace(logits_chunk_size=64),
         run=SimpleNamespace(seed=0),
         parallel=SimpleNamespace(sequence_parallel=False),
-        algo=AlgoConfig(**algo),
+        algo=resolve_rollout_correction(AlgoConfig(**algo), 0),
     )
 
 

@@ -3,11 +3,20 @@
 Transformer Engine's layer spec when it imports, Megatron's local spec otherwise: the choice
 is one ``ModuleSpec``, and the fused kernels that need Transformer Engine follow it; the fused
 weight-gradient accumulation follows apex's kernel, which Megatron's own linear layers need.
+
+megatron-core 0.19 deprecates ``GPTModel`` (bug fixes only) for ``HybridModel``, and logs so at
+every build: it still builds and trains Qwen3 unchanged, so the notice is shown once per process.
+The move to ``HybridModel`` (0.19+ only) is a layer pattern of one attention layer ``*`` and one MLP
+layer ``-`` per Qwen3 layer, which renumbers every parameter (``decoder.layers.{2i}`` attention,
+``{2i+1}`` MLP): the Hugging Face mapping (``state_dict_adapter.py``), the pipeline split
+(``parallelize.py``), the weight sync's names and stored checkpoints follow the names, and a
+converter of old checkpoints comes with it.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -194,6 +203,23 @@ def transformer_config(
     )
 
 
+class _FirstDeprecationNotice(logging.Filter):
+    """Lets megatron-core 0.19's GPTModel deprecation notice through once per process."""
+
+    def __init__(self):
+        super().__init__()
+        self.shown = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "GPTModel IS DEPRECATED" not in record.getMessage():
+            return True
+        shown, self.shown = self.shown, True
+        return not shown
+
+
+_DEPRECATION_NOTICE = _FirstDeprecationNotice()
+
+
 def build_gpt_model(
     arch: Qwen3Config, config, *, pre_process: bool = True, post_process: bool = True, vp_stage=None, pg_collection=None
 ):
@@ -204,6 +230,8 @@ def build_gpt_model(
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
+    # the logger of megatron.core.models.gpt.gpt_model (0.19+); a logger holds a filter once
+    logging.getLogger(GPTModel.__module__).addFilter(_DEPRECATION_NOTICE)
     stage = pg_collection.pp.rank() if pg_collection is not None else ps.get_pipeline_model_parallel_rank()
     return GPTModel(
         config=config,
