@@ -1,5 +1,6 @@
 """Corrections to Megatron-Core's distributed optimizer on the plain torch Adam path, written for
-megatron-core 0.16 and checked on 0.16.1, 0.17.1, 0.18.2 and 0.19.2 (all three bugs are in each),
+megatron-core 0.16, all three bugs present in 0.16.1, 0.17.1, 0.18.2 and 0.19.2 (exact resume checked
+on 0.16.1, 0.17.1 and 0.19.2; 0.18.2 lies between them and is still to be run),
 applied by :func:`stapo_megatron.runtime.distributed.init_distributed`.
 
 Without Transformer Engine or apex, Megatron wraps ``torch.optim.AdamW``, and saving/loading its
@@ -125,7 +126,7 @@ def _patch_load_state_dict(original: Callable) -> Callable:
     return load_state_dict
 
 
-TESTED_RELEASES = ("0.16", "0.17", "0.18", "0.19")  # checked on 0.16.1, 0.17.1, 0.18.2, 0.19.2
+TESTED_RELEASES = ("0.16", "0.17", "0.18", "0.19")  # exact resume on 0.16.1, 0.17.1, 0.19.2 (0.18.2: to run)
 
 FIXES = (
     Fix(

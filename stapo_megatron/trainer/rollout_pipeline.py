@@ -28,6 +28,8 @@ import logging
 import threading
 import time
 
+import torch
+
 from stapo_megatron.loss.metrics import Reduction, declare
 from stapo_megatron.trainer.batch import RolloutBatch, pack_rollouts, unpack_rollouts
 from stapo_megatron.trainer.sample_pool import SamplePool
@@ -77,6 +79,8 @@ class RolloutPipeline:
         self._closed = False
         self._error: BaseException | None = None
         self._waited_for_weights = 0.0
+        # CUDA's current device is per thread: the thread's work (the local engine) runs on this rank's device
+        self._cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else None
         self._thread = threading.Thread(target=self._run, name="stapo-rollout-pipeline", daemon=True)
         self._thread.start()
 
@@ -125,6 +129,8 @@ class RolloutPipeline:
 
     def _run(self) -> None:
         try:
+            if self._cuda_device is not None:
+                torch.cuda.set_device(self._cuda_device)
             while True:
                 with self._cond:
                     idle_since = time.perf_counter()
@@ -204,8 +210,6 @@ def _batch_state(batch: RolloutBatch) -> dict:
 
 
 def _batch_from_state(state: dict) -> RolloutBatch:
-    import torch
-
     return unpack_rollouts(
         torch.tensor(state["sizes"], dtype=torch.long),
         torch.tensor(state["integers"], dtype=torch.long),

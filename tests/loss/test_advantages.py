@@ -63,5 +63,9 @@ def test_reward_scales_and_dapo_penalty_on_the_signed_scale():
     assert shaped.tolist() == [1.0, -1.0, 0.25, -2.0]
     with pytest.raises(ValueError, match="^scale: 'pm1' is not one of binary, signed"):
         correctness_reward(correct, "pm1")
-    with pytest.raises(ValueError, match="^correct: expected verdicts of 0 or 1"):
-        correctness_reward(torch.tensor([0.5]), "binary")
+    # a custom reward's partial credit: kept on the binary scale, mapped linearly on the signed one
+    assert correctness_reward(torch.tensor([0.25, 0.5]), "binary").tolist() == [0.25, 0.5]
+    assert correctness_reward(torch.tensor([0.25, 0.5]), "signed").tolist() == [-0.5, 0.0]
+    for outside in (-0.5, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"^correct: expected verdicts or scores in \[0, 1\]"):
+            correctness_reward(torch.tensor([outside]), "binary")
