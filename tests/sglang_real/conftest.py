@@ -26,8 +26,9 @@ import torch
 from stapo_megatron.rollout.config import SGLangConfig
 from stapo_megatron.rollout.sglang_client import request, split_url
 from stapo_megatron.rollout.sglang_engine import SGLangEngine, expected_names_from_hf_checkpoint
+from tests.cached_venv import CachedVenv
 from tests.helpers import save_tiny_qwen3
-from tests.sglang_real.sglang_venv import SGLangVenv, ensure_sglang_venv
+from tests.sglang_real.sglang_venv import ensure_sglang_venv
 
 STANDIN_DIR = Path(__file__).resolve().parent / "sgl_kernel_standin"
 STANDIN_TRACE_ENV = "STAPO_SGL_KERNEL_STANDIN_TRACE"
@@ -56,7 +57,7 @@ VOCAB = 1024
 TINY_MODEL = dict(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=CONTEXT_LENGTH)
 
 
-def server_command(venv: SGLangVenv) -> list[str]:
+def server_command(venv: CachedVenv) -> list[str]:
     """Production's launch wrapper (the key from the environment), run by the SGLang venv's python."""
     return [str(venv.python), "-m", "stapo_megatron.rollout.sglang_launch", "sglang.launch_server"]
 
@@ -75,7 +76,7 @@ def server_env(trace: Path) -> dict[str, str]:
     }
 
 
-def real_sglang_settings(venv: SGLangVenv, model: Path, trace: Path, log_dir: Path, **overrides) -> dict:
+def real_sglang_settings(venv: CachedVenv, model: Path, trace: Path, log_dir: Path, **overrides) -> dict:
     """``rollout.sglang`` fields that launch real CPU servers on ``model`` (as a dict: also for YAML)."""
     fields = dict(
         model_path=str(model),
@@ -104,7 +105,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 @pytest.fixture(scope="session")
-def sglang_venv(pytestconfig) -> SGLangVenv:
+def sglang_venv(pytestconfig) -> CachedVenv:
     venv = ensure_sglang_venv(log=lambda line: print(line, flush=True))
     pytestconfig._stapo_sglang_venv = venv.describe()  # type: ignore[attr-defined]
     return venv
