@@ -30,6 +30,7 @@ from stapo_megatron.trainer.run_record import (
     run_record,
     tokenizer_digests,
 )
+from tests.checkpoint import crafted
 from tests.checkpoint.crafted import rehash
 from tests.trainer.runs import checkpoint_tensors, metrics, run, torchrun_command, train_command
 
@@ -395,9 +396,9 @@ def _copy(run_dir, tmp_path):
 
 def _edit_common(checkpoint, edit) -> None:
     """Change the saved common state and recompute the checksums, as a crafted file would."""
-    common = torch.load(checkpoint / "common.pt", weights_only=True)
+    common = crafted.read_common(checkpoint)
     edit(common)
-    torch.save(common, checkpoint / "common.pt")
+    crafted.write_common(checkpoint, common)
     rehash(checkpoint)
 
 
@@ -541,5 +542,7 @@ def test_a_malformed_common_state_is_one_line_on_every_rank(distributed_run, tmp
     checkpoint = run_dir / "checkpoints" / "iter_0000002"
     _edit_common(checkpoint, lambda common: common["progress"].update(step="2"))
     result = _attempt(_ranks(run_dir, 2, "run.steps=3"))
-    _refused_on_every_rank(result, f"{checkpoint / 'common.pt'}: field progress.step is a string, not an integer")
+    _refused_on_every_rank(
+        result, f"{common_state_source(checkpoint)}: field progress.step is a string, not an integer"
+    )
     assert [row["step"] for row in metrics(run_dir)] == [1, 2]
