@@ -114,6 +114,14 @@ class Rank0Rollouts:
                 )
             except (ValueError, KeyError, TypeError) as err:
                 raise ConfigError(f"the checkpoint's rollout state does not fit this run: {err}") from None
+        elif pipeline_state is not None:
+            logger.warning(
+                "the checkpoint was written by a run that generated ahead of training (rollout.async.max_staleness "
+                "> 0) and this run generates in turn: its %d batches generated ahead and %d groups in flight are "
+                "discarded (their prompts are not trained on)",
+                len(pipeline_state.get("ready", {})),
+                len(pipeline_state.get("pool", {}).get("groups", [])),
+            )
         return cls(collector, evaluator, metrics_logger, cfg.run.directory, pipeline)
 
     def close(self) -> None:

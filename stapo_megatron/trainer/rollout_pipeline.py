@@ -176,12 +176,16 @@ class RolloutPipeline:
 
     @classmethod
     def resumed(cls, pool: SamplePool, lag: int, last_step: int, step: int, state: dict | None) -> RolloutPipeline:
-        """The pipeline of a run at ``step``: from its checkpoint's ``state`` when that was saved with
-        the same lag, else starting afresh (the batches a checkpoint generated ahead with another lag
-        are discarded, with a warning: their prompts are not trained on)."""
-        if state is not None and state.get("version") != _STATE_VERSION:
+        """The pipeline of a run at ``step``: from its checkpoint's ``state``. The batches a checkpoint
+        generated ahead with another lag are discarded, with a warning (their prompts are not trained
+        on); its pool's samples in flight continue either way (their versions are all at most the
+        trainer's, and the staleness bound still applies to them)."""
+        if state is None:
+            return cls(pool, lag, last_step, next_step=step + 1)
+        if state.get("version") != _STATE_VERSION:
             raise ValueError(f"rollout pipeline state: version {state.get('version')!r}, expected {_STATE_VERSION}")
-        if state is not None and state["lag"] != lag:
+        pool.load_state_dict(state["pool"])
+        if state["lag"] != lag:
             logger.warning(
                 "the checkpoint's rollouts ran %d steps ahead, this run %d: the %d batches it generated ahead are "
                 "discarded (their prompts are not trained on)",
@@ -189,10 +193,7 @@ class RolloutPipeline:
                 lag,
                 len(state["ready"]),
             )
-            state = None
-        if state is None:
             return cls(pool, lag, last_step, next_step=step + 1)
-        pool.load_state_dict(state["pool"])
         ready = {
             int(s): GeneratedStep(_batch_from_state(r["batch"]), dict(r["metrics"])) for s, r in state["ready"].items()
         }

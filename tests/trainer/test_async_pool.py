@@ -349,12 +349,13 @@ def test_the_thread_generates_each_step_with_the_scheduled_version_and_the_sync_
 
 
 def test_a_checkpoint_of_another_lag_discards_what_it_generated_ahead(caplog):
+    """...and keeps its pool: the samples in flight continue."""
     pool = GatedPool()
-    pool.taken[:] = [1, 2, 3]
     state = {"version": 1, "lag": 2, "next_step": 5, "ready": {"3": {}, "4": {}}, "pool": {"taken": [1, 2, 3]}}
     pipeline = RolloutPipeline.resumed(pool, 1, 6, 2, state)  # type: ignore[arg-type]
     try:
         assert "the 2 batches it generated ahead are discarded" in caplog.text
+        assert pool.taken == [1, 2, 3]  # the checkpoint's pool
         _open(pool, 3)
         assert pipeline.take(3)[0].prompt_ids == [[1, 3]]  # generated afresh
     finally:

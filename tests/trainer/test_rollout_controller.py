@@ -73,6 +73,20 @@ def test_rank0_resumes_its_sampler_writes_rows_and_closes_everything_it_owns(tmp
         rollouts.close()
     assert rank0.collector.engine.model is None  # the engine shut down
     assert rank0.collector.reward_pool._closed
+
+
+def test_a_synchronous_resume_of_an_async_checkpoint_says_what_it_discards(tmp_path, caplog):
+    import torch
+
+    cfg = _config(tmp_path)  # max_staleness 0: no generation thread to hand the state to
+    tokenizer = synthetic_tokenizer(cfg.data.synthetic_distractors)
+    state = {"version": 1, "lag": 1, "next_step": 4, "ready": {"3": {}}, "pool": {"groups": [{}, {}]}}
+    rank0 = Rank0Rollouts.build(cfg, tokenizer, torch.device("cpu"), None, None, step=2, pipeline_state=state)
+    try:
+        assert rank0.pipeline is None
+        assert "its 1 batches generated ahead and 2 groups in flight are discarded" in caplog.text
+    finally:
+        rank0.close()
     with pytest.raises(OSError):
         os.fstat(rank0.metrics_logger._fd)  # the metrics file is closed
 
