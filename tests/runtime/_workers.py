@@ -333,3 +333,22 @@ def collectives_where_the_default_group_refuses_cpu(out_dir: str) -> None:
         dist.barrier(group=ctx.cpu_group)
     _write(out_dir, "refusing", results)
     shutdown_distributed()
+
+
+def what_a_rank_starts_with(out_dir: str) -> None:
+    """What :func:`~stapo_megatron.runtime.launch.spawn_ranks` gave this rank: its environment, working
+    directory, parent, and what it had imported before its function ran."""
+    import os
+    import sys
+
+    from stapo_megatron.runtime import cpu_compat
+
+    rank = os.environ["RANK"]
+    state = {
+        "env": {k: os.environ.get(k) for k in ("STAPO_TEST_CALLER_VAR", "STAPO_TEST_REMOVED_VAR", "WORLD_SIZE")},
+        "cwd": os.getcwd(),
+        "parent": os.getppid(),
+        "megatron_loaded": "megatron.core.models.gpt" in sys.modules,
+        "cpu_layer_installed": cpu_compat.installed(),
+    }
+    Path(out_dir, f"start_rank{rank}.json").write_text(json.dumps(state))
