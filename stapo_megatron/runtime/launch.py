@@ -222,7 +222,7 @@ CPU_RANK_PRELOAD = "stapo_megatron.runtime.cpu_rank_imports"
 
 
 def _rank_start_method() -> str:
-    """"spawn" on a GPU machine (a process that imported Transformer Engine is not forked); without
+    """Spawn on a GPU machine (a process that imported Transformer Engine is not forked); without
     CUDA, a fork server that has imported Megatron once for every rank this process starts."""
     from stapo_megatron.runtime.distributed import accelerator_available
 
