@@ -322,6 +322,9 @@ def megatron_ranks(
     parallel: ParallelConfig, ranks_per_node: int, tied_embeddings: bool
 ) -> tuple[list[RankPlace], ProcessGroups]:
     """Each rank's place and the groups, as ``initialize_model_parallel`` builds them."""
+    from stapo_megatron.runtime.distributed import prepare_megatron_import
+
+    prepare_megatron_import()
     from megatron.core.parallel_state import RankGenerator, default_embedding_ranks
 
     p = parallel

@@ -4,11 +4,9 @@ Megatron-Core and transformers modules every rank imports. Forked from the serve
 them loaded. Nothing here reads the environment or the arguments of a call: the server starts once,
 at the first call, and serves every later one."""
 
-from stapo_megatron.runtime import cpu_compat
-from stapo_megatron.runtime.distributed import quiet_known_warnings
+from stapo_megatron.runtime.distributed import prepare_megatron_import
 
-quiet_known_warnings()
-cpu_compat.install()
+prepare_megatron_import()
 
 import megatron.core.dist_checkpointing  # noqa: E402,F401
 import megatron.core.models.gpt  # noqa: E402,F401

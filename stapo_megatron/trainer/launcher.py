@@ -29,6 +29,7 @@ import yaml
 from stapo_megatron.config import ConfigError, to_dict
 from stapo_megatron.config.command import load_training_config
 from stapo_megatron.runtime import console
+from stapo_megatron.runtime.distributed import prepare_megatron_import
 from stapo_megatron.runtime.environment import env_int, env_seconds
 from stapo_megatron.runtime.launch import kill_tree, watch_launcher
 from stapo_megatron.runtime.run_files import METRICS_FILE, RANKS_CONFIG, STOP_FILE, write_resolved_config
@@ -174,6 +175,7 @@ def _rank_owns_directory(cfg: TrainConfig, overwrite: bool):
 
 
 def run_rank(cfg: TrainConfig, overwrite: bool = False) -> None:
+    prepare_megatron_import()  # the trainer's modules import Megatron
     from stapo_megatron.trainer.trainer import Trainer
 
     console.configure(all_ranks=cfg.logging.all_ranks)
