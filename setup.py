@@ -59,7 +59,14 @@ setup(
         "launch": ["nemo-run>=0.11", "leptonai==0.27.3"],
         "wandb": ["wandb>=0.17"],
         # ruff, mypy and pre-commit pinned: .ci/run and the pre-commit hooks must give the same verdict everywhere.
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff==0.17.6", "mypy==2.4.1", "pre-commit==4.6.2"],
+        "dev": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "coverage==7.18.0",
+            "ruff==0.17.6",
+            "mypy==2.4.1",
+            "pre-commit==4.6.2",
+        ],
     },
     entry_points={"console_scripts": ["stapo = stapo_megatron.cli:main"]},
 )

@@ -110,3 +110,29 @@ def test_readme_training_and_the_commands_on_its_run(tmp_path):
         f"stapo: error: --ckpt: {run_dir} is a run directory, not a checkpoint; its checkpoints are "
         f"{run_dir / 'checkpoints'}/iter_*: the newest intact one is {checkpoint} (pass --ckpt {checkpoint})\n"
     )
+
+
+def test_the_install_commands_and_ci_install_from_the_constraints():
+    """A fresh machine gets the stack the README's figures were measured on: both README install
+    commands and .ci/run install through constraints.txt, which pins every package they install."""
+    import setuptools
+
+    lines = README.read_text(encoding="utf-8").splitlines()
+    installs = [line for line in lines if line.startswith("python3 -m venv .venv && ")]
+    installs.append((REPO_ROOT / ".ci" / "run").read_text(encoding="utf-8"))
+    assert len(installs) == 3 and all("pip install -c constraints.txt -e " in text for text in installs), installs
+    pins = {}
+    for line in (REPO_ROOT / "constraints.txt").read_text(encoding="utf-8").splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert re.fullmatch(r"[0-9][0-9A-Za-z.]*", version), line  # exact, no local build label
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    captured = {}
+    with pytest.MonkeyPatch.context() as patch:  # setup.py's arguments, without building anything
+        patch.setattr(setuptools, "setup", lambda **kwargs: captured.update(kwargs))
+        patch.chdir(REPO_ROOT)
+        exec(compile((REPO_ROOT / "setup.py").read_text(encoding="utf-8"), "setup.py", "exec"), {"__name__": "x"})
+    wanted = [*captured["install_requires"], *captured["extras_require"]["dev"], *captured["extras_require"]["launch"]]
+    names = {re.sub(r"[-_.]+", "-", re.split(r"[<>=!\[; ]", spec, maxsplit=1)[0]).lower() for spec in wanted}
+    assert names - pins.keys() == set(), "constraints.txt misses these: refresh it (tools/refresh_constraints.sh)"
+    assert pins["torch"] == "2.13.0"
