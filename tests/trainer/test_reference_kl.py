@@ -160,7 +160,8 @@ def test_reference_model_on_the_update_path_at_tp1_and_tp2(tmp_path):
 def test_tiny_run_with_grpo_logs_ref_kl_and_resumes_with_the_initial_reference(tmp_path):
     from tests.trainer.runs import metrics, run, train_command
 
-    common = ["algo=grpo", "algo.kl_coef=0.5"]
+    # 16 prompts a step (a quarter of the default): GRPO trains every sequence, the reference scores them all
+    common = ["algo=grpo", "algo.kl_coef=0.5", "batch.prompts_per_step=16", "batch.prompts_per_minibatch=16"]
     straight = tmp_path / "straight"
     run(train_command(straight, *common, "run.steps=3"))
     rows = metrics(straight)

@@ -22,7 +22,8 @@ COMPARED = (
 
 @pytest.mark.slow
 def test_stare_preset_gate_decides_between_reweighting_and_grpo(tmp_path):
-    common = ["algo=stare", "run.steps=2"]
+    # 16 prompts a step (a quarter of the default): STARE trains every sequence, and the gate is per step
+    common = ["algo=stare", "run.steps=2", "batch.prompts_per_step=16", "batch.prompts_per_minibatch=16"]
     closed, kept_all, open_ = tmp_path / "gate_closed", tmp_path / "token_rule_all", tmp_path / "gate_open"
     run(train_command(closed, *common, "algo.stare_target_entropy=0.0"))
     run(train_command(kept_all, *common, "algo.token_rule=all"))
