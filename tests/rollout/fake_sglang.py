@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import fcntl
 import io
 import json
@@ -199,6 +200,36 @@ class InvalidSamplingParams(BadRequest):
     """SGLang rejects sampling_params while decoding the request: HTTP 400 with ``{"error": "..."}``."""
 
 
+# SGLang runs weight updates one at a time, in the order they arrive (its tokenizer manager takes the
+# model-update writer lock for each, its scheduler then serves them in turn): a request waits for every
+# one that arrived before it, whichever rank sent it.
+SERIAL_UPDATE_PATHS = frozenset(
+    {"/update_weights_from_distributed", "/update_weights_from_tensor", "/update_weights_from_disk"}
+)
+
+
+class ArrivalOrder:
+    """Turns in the order the requests arrive."""
+
+    def __init__(self):
+        self.changed = threading.Condition()
+        self.arrived = 0
+        self.served = 0
+
+    @contextlib.contextmanager
+    def turn(self):
+        with self.changed:
+            ticket = self.arrived
+            self.arrived += 1
+            self.changed.wait_for(lambda: self.served == ticket)
+        try:
+            yield
+        finally:
+            with self.changed:
+                self.served += 1
+                self.changed.notify_all()
+
+
 class FakeState:
     """Everything the fake remembers; tests read it directly (thread mode) or through /fake/state."""
 
@@ -242,6 +273,7 @@ class FakeState:
         self.updates: list[dict] = []  # one entry per weight-update call
         self.weights: dict = {}  # name -> last received tensor
         self.groups: dict = {}
+        self.update_order = ArrivalOrder()
         self.session_open = False
         self.paused = False
         self.released: set[str] = set()
@@ -707,7 +739,8 @@ def _handler_for(state: FakeState):
             if not state.authorized(path, auth):
                 return self._send(401, {"error": "Unauthorized"})
             try:
-                status, payload = state.route(method, path, body)
+                with state.update_order.turn() if path in SERIAL_UPDATE_PATHS else contextlib.nullcontext():
+                    status, payload = state.route(method, path, body)
             except InvalidSamplingParams as err:
                 status, payload = 400, {"error": str(err)}
             except BadRequest as err:

@@ -61,6 +61,8 @@ def sync_on_every_rank(
 ) -> None:
     """For each (tp, pp, dp, ranks per node, node of each server): tensor, disk and distributed syncs, then
     two failures."""
+    import os
+
     import torch.distributed as dist
 
     from stapo_megatron.checkpoint.convert import fill_from_hf
@@ -72,7 +74,9 @@ def sync_on_every_rank(
     from stapo_megatron.rollout.weight_sync.plan import WeightSyncPlan
     from stapo_megatron.rollout.weight_sync.session import WeightSync
     from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
+    from tests.rollout import nccl_like
 
+    nccl_like.install(int(os.environ["RANK"]))
     reference = load_file(f"{hf_dir}/model.safetensors")
     expected = expected_names_from_hf_checkpoint(hf_dir)
     assert "lm_head.weight" in expected  # untied: the last stage exports the output layer
@@ -284,8 +288,10 @@ def sync_across_nodes(hf_dir: str, layouts: list[tuple[int, int, int]], server_s
     from stapo_megatron.rollout.weight_sync.plan import WeightSyncPlan
     from stapo_megatron.rollout.weight_sync.session import WeightSync
     from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
+    from tests.rollout import nccl_like
 
     rank = int(os.environ["RANK"])
+    nccl_like.install(rank)
     os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank % 2))  # what WeightSync reads the nodes from
     reference = load_file(f"{hf_dir}/model.safetensors")
     expected = expected_names_from_hf_checkpoint(hf_dir)
@@ -494,3 +500,78 @@ def test_ipc_serializer_names_a_cuda_tensors_device_by_uuid(monkeypatch):
     rebuild, args = sglang_weights._IPC_REDUCERS[torch.Tensor](types.SimpleNamespace(is_cuda=True))
     assert rebuild is reductions.rebuild_cuda_tensor
     assert args == (*cuda_args[:6], "GPU-3-uuid", *cuda_args[7:])
+
+
+# ---- ranks that run ahead of each other, as on GPUs (tests/rollout/nccl_like.py) ------------------------
+
+
+def sync_tp4_to_one_in_order_server(hf_dir: str, url: str, bucket_bytes: int, timeout_s: float) -> None:
+    """The async 32B layout's sync at reduced sizes: the four TP ranks of one replica each broadcast their
+    own buckets to one disaggregated server, which serves the requests one at a time in arrival order,
+    while each rank's export gathers run behind its host thread. Two updates; every tensor bit-exact."""
+    import os
+
+    import torch.distributed as dist
+
+    from stapo_megatron.checkpoint.convert import fill_from_hf
+    from stapo_megatron.checkpoint.export import plan_buckets, stage_export_plan
+    from stapo_megatron.checkpoint.hf_io import HFCheckpoint
+    from stapo_megatron.models.qwen3.config import Qwen3Config
+    from stapo_megatron.models.qwen3.parallelize import build_stage
+    from stapo_megatron.rollout.config import SGLangConfig
+    from stapo_megatron.rollout.sglang_weights import expected_names_from_hf_checkpoint
+    from stapo_megatron.rollout.weight_sync.plan import WeightSyncPlan
+    from stapo_megatron.rollout.weight_sync.session import WeightSync
+    from stapo_megatron.runtime.distributed import ParallelConfig, init_distributed
+    from tests.rollout import nccl_like
+
+    nccl_like.install(int(os.environ["RANK"]))
+    reference = load_file(f"{hf_dir}/model.safetensors")
+    ctx = init_distributed(ParallelConfig(tensor_parallel=4))
+    arch = Qwen3Config.from_hf(hf_dir)
+    model = build_stage(arch, ctx, perform_initialization=False)
+    fill_from_hf(model, arch, HFCheckpoint(hf_dir), ctx)
+    # As for Qwen3-32B at TP4: the last TP rank owns the embedding, and the ranks' buckets complete at
+    # interleaved points of the walk, so a rank's next bucket waits on gathers the others reach later.
+    stage = stage_export_plan(model, arch, ctx.tp_size)
+    assert stage[0].mapping.hf_names == ("model.embed_tokens.weight",) and stage[0].owner == 3
+    assert all(len(plan_buckets(stage, tp_rank, bucket_bytes)) >= 3 for tp_rank in range(4))
+    endpoint = ServerEndpoint(index=0, url=url, node=0, tp_size=1, gpu_ids=())
+    plan = WeightSyncPlan(
+        mode="distributed",
+        endpoints=(endpoint,),
+        expected_names=expected_names_from_hf_checkpoint(hf_dir),
+        api_key=API_KEY,
+        config=SGLangConfig(
+            weight_bucket_bytes=bucket_bytes,
+            weight_sync_backend="gloo",
+            weight_sync_master_address="127.0.0.1",
+            weight_sync_timeout_s=timeout_s,
+            model_path=hf_dir,
+        ),
+        session_servers=frozenset({0}),
+    )
+    sync = WeightSync(ctx, plan, ranks_per_node=4)
+    for version in (1, 2):
+        before = {url: len(_requests(url))} if ctx.rank == 0 else {}
+        sync.sync(model, arch, version)
+        dist.barrier(group=ctx.cpu_group)
+        if ctx.rank == 0:
+            check_sync([endpoint], reference, str(version), before, "/update_weights_from_distributed")
+    sync.close()
+    dist.barrier(group=ctx.cpu_group)
+
+
+def test_ranks_that_run_ahead_post_only_complete_buckets_so_an_in_order_server_never_blocks(tmp_path):
+    hf_dir = save_tiny_qwen3(
+        tmp_path / "hf", tie=False, seed=7, vocab_size=512, num_hidden_layers=3, num_key_value_heads=4
+    )
+    server = FakeSGLangServer(api_key=API_KEY).start()
+    try:
+        spawn_ranks(sync_tp4_to_one_in_order_server, 4, str(hf_dir), server.url, 24 * 1024, 30.0)
+        paths = [entry["path"] for entry in server.state.requests]
+        # Each rank's buckets, one request each per update, all served by the one in-order queue.
+        assert paths.count("/update_weights_from_distributed") >= 2 * 12
+        assert server.state.update_order.served == server.state.update_order.arrived
+    finally:
+        server.stop()

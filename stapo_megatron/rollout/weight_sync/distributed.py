@@ -1,7 +1,14 @@
 """NCCL sync: each source rank broadcasts its buckets through ``/update_weights_from_distributed`` over
-one small group per (source rank, server), so senders never wait on each other and a server's serial
-request loop only ever waits for the one rank whose request it runs. :func:`plan_routes` never puts
-a source on a GPU of the server: NCCL refuses a communicator with two processes on one GPU.
+one small group per (source rank, server). :func:`plan_routes` never puts a source on a GPU of the
+server: NCCL refuses a communicator with two processes on one GPU.
+
+A server runs update requests one at a time, in the order they arrive, whichever rank sent them, and
+each waits for its broadcast. So a rank posts a bucket only once the export has completed it on the
+GPU (the TP gathers that fill it return at once and finish only when every TP rank of the stage has
+queued its part): a request whose data still waited on gathers that other ranks queue only after
+their own requests were served would hold the server's queue, and every rank behind it, forever.
+With only complete buckets posted, whatever order the requests of several ranks reach a server in,
+each is served as soon as it is at the head: none waits on a request behind it.
 
 A colocated server's group is left after every update: its communicator buffers would sit in the
 memory that generation (KV cache) and training take turns on. A disaggregated server's groups stay
@@ -25,7 +32,7 @@ from stapo_megatron.rollout.weight_sync.transport import (
     SessionTransport,
     UpdateSession,
     transfer_stream,
-    wait_for,
+    wait_on_host,
 )
 
 logger = logging.getLogger(__name__)
@@ -101,7 +108,7 @@ class DistributedTransport(SessionTransport):
         if not self.targets:
             return
         with transfer_stream(self.link.device):
-            wait_for(self.ready.get(bucket.layout.index))
+            wait_on_host(self.ready.get(bucket.layout.index))  # complete before any server sees it
             self._broadcast(bucket)
 
     def _broadcast(self, bucket: FlatBucket) -> None:

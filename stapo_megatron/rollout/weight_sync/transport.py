@@ -135,6 +135,13 @@ def wait_for(event: torch.cuda.Event | None) -> None:
         torch.cuda.current_stream().wait_event(event)
 
 
+def wait_on_host(event: torch.cuda.Event | None) -> None:
+    """This thread waits until the export has completed a bucket: the TP gathers that fill it return
+    at once on GPUs and finish only when every TP rank of the stage has queued its part."""
+    if event is not None:
+        event.synchronize()
+
+
 def finish_transfers(device: torch.device) -> None:
     """Before an IPC handle leaves: what the transfer stream wrote (received copies) is done."""
     if device.type == "cuda":
