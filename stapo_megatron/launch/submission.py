@@ -26,6 +26,7 @@ from stapo_megatron.launch.requeue import (
     check_requeue_options,
     time_limit_seconds,
 )
+from stapo_megatron.runtime.environment import rank_launch_env
 from stapo_megatron.trainer.config import TrainConfig
 
 DEFAULT_TIME = "04:00:00"
@@ -341,7 +342,7 @@ def job_environment(options: SubmitOptions, *, for_shell: bool) -> dict[str, str
     Values are exported by the sbatch script (``for_shell``: quoted for bash) or passed to the
     process as they are (local executor).
     """
-    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**rank_launch_env(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     bindir = os.path.dirname(sys.executable)
     if options.executor == "local":
         # torchrun and python of this environment, whether or not it is activated

@@ -20,6 +20,7 @@ from pathlib import Path
 from stapo_megatron.rollout.config import SGLangConfig
 from stapo_megatron.rollout.sglang_client import SGLangServerError, TransportError, request
 from stapo_megatron.rollout.sglang_launch import KEY_ENV
+from stapo_megatron.runtime.environment import shared_nccl_env
 from stapo_megatron.runtime.launch import without_rank_env
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ def build_launch_command(
         argv.append("--enable-deterministic-inference")
     argv += list(cfg.extra_args)
     env = without_rank_env(os.environ)  # a server is not one of the trainer's ranks
+    env.update(shared_nccl_env())  # as the trainer's ranks have them, whoever started this process
     env.update(cfg.env)
     env[KEY_ENV] = api_key
     return argv, env

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from stapo_megatron.config import ConfigError
+from stapo_megatron.runtime.environment import rank_launch_env
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +243,7 @@ def spawn_ranks(fn, world_size: int, *args, env: dict[str, str] | None = None) -
     start_method = _rank_start_method()
     ctx = mp.get_context(start_method)
     errors = ctx.SimpleQueue()
-    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", **(env or {})}
+    env = {**os.environ, **rank_launch_env(), **(env or {})}
     store = rendezvous_store(world_size)
     try:
         mp.start_processes(

@@ -30,7 +30,7 @@ from stapo_megatron.config import ConfigError, to_dict
 from stapo_megatron.config.command import load_training_config
 from stapo_megatron.runtime import console
 from stapo_megatron.runtime.distributed import prepare_megatron_import
-from stapo_megatron.runtime.environment import env_int, env_seconds
+from stapo_megatron.runtime.environment import env_int, env_seconds, rank_launch_env
 from stapo_megatron.runtime.launch import kill_tree, watch_launcher
 from stapo_megatron.runtime.run_files import METRICS_FILE, RANKS_CONFIG, STOP_FILE, write_resolved_config
 from stapo_megatron.runtime.run_lock import TOKEN_ENV, RunLock, held_with, slurm_restart_count
@@ -224,7 +224,7 @@ def launch(cfg: TrainConfig, lock: RunLock) -> int:
     ]
     env = {
         **os.environ,
-        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        **rank_launch_env(),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         LAUNCHER_PID_ENV: str(os.getpid()),
         TOKEN_ENV: lock.holder.token,

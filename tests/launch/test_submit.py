@@ -107,6 +107,7 @@ def test_gpu_dryrun_sbatch_has_exactly_the_settings(nemorun_home, capsys, monkey
     env = exports(out)
     assert env["NCCL_DEBUG"] == "INFO" and env["HF_HOME"] == "'/data/hf cache'"
     assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert env["NCCL_CUMEM_ENABLE"] == "0" and env["NCCL_NVLS_ENABLE"] == "0"  # as SGLang's servers have them
     # the requeue script's allocation start, which rank 0 compares a STOP file with
     assert env["STAPO_ALLOCATION_STARTED"] == "$(date +%s)"
     # in a container the job has the image's PATH: stapo adds nothing else
@@ -114,6 +115,8 @@ def test_gpu_dryrun_sbatch_has_exactly_the_settings(nemorun_home, capsys, monkey
         "NCCL_DEBUG",
         "HF_HOME",
         "CUDA_DEVICE_MAX_CONNECTIONS",
+        "NCCL_CUMEM_ENABLE",
+        "NCCL_NVLS_ENABLE",
         "OMP_NUM_THREADS",
         "STAPO_ALLOCATION_STARTED",
     }

@@ -345,7 +345,16 @@ def what_a_rank_starts_with(out_dir: str) -> None:
 
     rank = os.environ["RANK"]
     state = {
-        "env": {k: os.environ.get(k) for k in ("STAPO_TEST_CALLER_VAR", "STAPO_TEST_REMOVED_VAR", "WORLD_SIZE")},
+        "env": {
+            k: os.environ.get(k)
+            for k in (
+                "STAPO_TEST_CALLER_VAR",
+                "STAPO_TEST_REMOVED_VAR",
+                "WORLD_SIZE",
+                "NCCL_CUMEM_ENABLE",
+                "NCCL_NVLS_ENABLE",
+            )
+        },
         "cwd": os.getcwd(),
         "parent": os.getppid(),
         "megatron_loaded": "megatron.core.models.gpt" in sys.modules,

@@ -21,6 +21,7 @@ import pytest
 
 from stapo_megatron.rollout.config import SGLangConfig
 from stapo_megatron.rollout.sglang_server import build_launch_command
+from stapo_megatron.runtime.environment import SHARED_NCCL_ENV, rank_launch_env
 from stapo_megatron.runtime.launch import PORT_LOCK_DIR, RANK_ENV, reservable_ports, reserve_port
 
 
@@ -94,6 +95,8 @@ def test_a_server_started_by_a_torchrun_rank_can_host_its_own_rendezvous(monkeyp
         )
         assert not [name for name in env if name in RANK_ENV or name.startswith("TORCHELASTIC_")]
         assert env["STAPO_KEPT"] == "yes" and env["FROM_CONFIG"] == "1"
+        # the weight-update group's NCCL settings: the same on the server as on the trainer's ranks
+        assert {k: env[k] for k in SHARED_NCCL_ENV} == {k: rank_launch_env()[k] for k in SHARED_NCCL_ENV}
         assert f"--nccl-port {nccl_port.port}" in " ".join(argv)
         nccl_port.release()  # what SGLang's rank 0 does with it: host the store of its TP group
         script = textwrap.dedent(
@@ -109,3 +112,21 @@ def test_a_server_started_by_a_torchrun_rank_can_host_its_own_rendezvous(monkeyp
     finally:
         port.release()
         nccl_port.release()
+
+
+def test_trainer_ranks_and_servers_share_the_weight_update_groups_nccl_settings(monkeypatch):
+    """SGLang sets NCCL_CUMEM_ENABLE=0 and NCCL_NVLS_ENABLE=0 for itself unless they are set; the ranks
+    that join its weight-update groups get the same, and a value the user exported reaches both."""
+    cfg = SGLangConfig(model_path="m")
+    for exported, expected in (
+        ({}, {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}),
+        ({"NCCL_NVLS_ENABLE": "1"}, {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "1"}),
+    ):
+        for name in SHARED_NCCL_ENV:
+            monkeypatch.delenv(name, raising=False)
+        for name, value in exported.items():
+            monkeypatch.setenv(name, value)
+        ranks = rank_launch_env()
+        _, server = build_launch_command(cfg, local_index=0, global_index=0, port=1, nccl_port=2, api_key="k")
+        assert ranks == {"CUDA_DEVICE_MAX_CONNECTIONS": "1", **expected}
+        assert {k: server[k] for k in expected} == expected
