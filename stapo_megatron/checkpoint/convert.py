@@ -126,8 +126,32 @@ def read_meta(directory: str | Path) -> tuple[Qwen3Config, torch.dtype]:
     return config, dtype
 
 
+# Transformer Engine's modules add ``_extra_state`` objects (FP8 scaling state: nothing here trains in
+# FP8) that Megatron's local layers hold empty or lack (TE's attention and norms), and TE unpickles
+# them on load. Checkpoints leave them out, so one format serves both layer specs: a checkpoint
+# converted on a host without TE loads on one with it and back. The layer norms need nothing: the
+# local spec already names them as TE's fused ones (its sharded_state_dict_keys_map).
+EXTRA_STATE_SUFFIX = "._extra_state"
+
+
+def model_sharded_state(model: torch.nn.Module) -> dict:
+    """The stage's sharded state dict as every checkpoint holds it, whichever layer spec built the model."""
+    return {k: v for k, v in unwrap(model).sharded_state_dict().items() if not k.endswith(EXTRA_STATE_SUFFIX)}
+
+
 def model_state(model: torch.nn.Module) -> dict:
-    return {MODEL_KEY: unwrap(model).sharded_state_dict()}
+    return {MODEL_KEY: model_sharded_state(model)}
+
+
+def load_model_state(model: torch.nn.Module, state: dict) -> None:
+    """Load what :func:`model_sharded_state` gave (filled by the checkpoint) into the stage: every
+    parameter, no ``_extra_state`` (modules keep their own)."""
+    missing, unexpected = unwrap(model).load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith(EXTRA_STATE_SUFFIX)]
+    if missing or unexpected:
+        raise RuntimeError(
+            f"the checkpoint's model state does not fit the stage: missing {missing}, unexpected {unexpected}"
+        )
 
 
 def load_model(model: torch.nn.Module, directory: str | Path, ctx: ParallelContext, verify: bool = True) -> None:
@@ -139,7 +163,7 @@ def load_model(model: torch.nn.Module, directory: str | Path, ctx: ParallelConte
     if verify:
         verify_checkpoint(directory, ctx)
     state = load_dist(model_state(model), directory)
-    unwrap(model).load_state_dict(state[MODEL_KEY])
+    load_model_state(model, state[MODEL_KEY])
 
 
 @torch.no_grad()

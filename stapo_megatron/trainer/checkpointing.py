@@ -31,7 +31,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.checkpoint.convert import META_KEY, MODEL_KEY, checkpoint_meta, unwrap
+from stapo_megatron.checkpoint.convert import (
+    META_KEY,
+    MODEL_KEY,
+    checkpoint_meta,
+    load_model_state,
+    model_sharded_state,
+)
 from stapo_megatron.checkpoint.dist import load_common, load_dist, save_dist, staging_dir
 from stapo_megatron.checkpoint.integrity import verify_checkpoint
 from stapo_megatron.checkpoint.safe_load import common_state_source
@@ -187,7 +193,7 @@ class Checkpointer:
     def save(self, step: int) -> Path:
         """Write the checkpoint of ``step``, then prune. Collective: every rank calls it."""
         ctx, root = self.ctx, self.directory.root
-        model_state = unwrap(self.model).sharded_state_dict()
+        model_state = model_sharded_state(self.model)
         state = {
             MODEL_KEY: model_state,
             "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=False, metadata=_OPTIMIZER_METADATA),
@@ -229,7 +235,7 @@ class Checkpointer:
             verify_checkpoint(checkpoint, ctx)
         common = read_common(checkpoint)
         same_layout = common.get("layout") == _layout(ctx)
-        model_state = unwrap(self.model).sharded_state_dict()
+        model_state = model_sharded_state(self.model)
         request = {
             MODEL_KEY: model_state,
             "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=True, metadata=_OPTIMIZER_METADATA),
@@ -237,7 +243,7 @@ class Checkpointer:
         if same_layout:
             request["rng_state"] = _rng_object(ctx, None)
         loaded = load_dist(request, checkpoint)
-        unwrap(self.model).load_state_dict(loaded[MODEL_KEY])
+        load_model_state(self.model, loaded[MODEL_KEY])
         self.optimizer.load_state_dict(loaded["optimizer"])
         self.scheduler.load_state_dict(common["scheduler"])
         if same_layout:

@@ -35,12 +35,16 @@ def compare_with_megatron_load(ckpt_dir: str, out_dir: str) -> None:
     from stapo_megatron.checkpoint import safe_load
     from stapo_megatron.checkpoint.convert import _init_ranks, model_state, read_meta
     from stapo_megatron.models.qwen3.parallelize import build_stage
+    from stapo_megatron.trainer.checkpointing import _rng_object
 
     ctx = _init_ranks(2, 1)
     arch, params_dtype = read_meta(ckpt_dir)
     model = build_stage(arch, ctx, params_dtype=params_dtype, perform_initialization=False, device=ctx.device)
-    ours = dict(_leaves(safe_load.load(model_state(model), ckpt_dir)))
-    theirs = dict(_leaves(dist_checkpointing.load(model_state(model), ckpt_dir)))
+    # the model (tensors) and this rank's RNG states (a stored object), as a resume asks for them
+    ours = dict(_leaves(safe_load.load({**model_state(model), "rng_state": _rng_object(ctx, None)}, ckpt_dir)))
+    theirs = dict(
+        _leaves(dist_checkpointing.load({**model_state(model), "rng_state": _rng_object(ctx, None)}, ckpt_dir))
+    )
     differing = sorted(key for key in ours.keys() & theirs.keys() if not _same(ours[key], theirs[key]))
     result = {
         "only_ours": sorted(ours.keys() - theirs.keys()),
