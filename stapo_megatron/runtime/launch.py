@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -233,25 +234,62 @@ def _rank_start_method() -> str:
     return "forkserver"
 
 
+def ranks_on_the_cpu(world_size: int) -> bool:
+    """Whether ``world_size`` ranks must run on the CPU of a host with CUDA: it has fewer GPUs than
+    ranks (each rank takes the GPU of its LOCAL_RANK, and NCCL refuses two ranks on one GPU)."""
+    from stapo_megatron.runtime.distributed import accelerator_available
+
+    if not accelerator_available():
+        return False
+    import torch
+
+    return world_size > torch.cuda.device_count()
+
+
+@contextlib.contextmanager
+def _gpus_hidden_from_children():
+    """Processes started meanwhile see no GPU (CUDA reads the variable as a process starts)."""
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = previous
+
+
 def spawn_ranks(fn, world_size: int, *args, env: dict[str, str] | None = None) -> None:
     """Run ``fn(*args)`` in ``world_size`` fresh processes with this process's environment and
-    torchrun's set (``env`` on top).
+    torchrun's set (``env`` on top). On a host with fewer GPUs than ranks, every rank runs on the
+    CPU (gloo, as on a host without CUDA), said once here: a conversion at TP 8 x PP 2 on an
+    8-GPU host converts rather than failing on a GPU the host does not have.
 
     A :class:`ConfigError` raised on any rank is raised here with its one-line message; any
     other failure is raised as ``RuntimeError`` naming the rank, with the traceback attached.
     """
+    on_cpu = ranks_on_the_cpu(world_size)
     start_method = _rank_start_method()
     ctx = mp.get_context(start_method)
     errors = ctx.SimpleQueue()
     env = {**os.environ, **rank_launch_env(), **(env or {})}
+    if on_cpu:
+        import torch
+
+        logger.warning(
+            "%d ranks, %d GPUs on this host: the ranks run on the CPU", world_size, torch.cuda.device_count()
+        )
+        env["CUDA_VISIBLE_DEVICES"] = ""
     store = rendezvous_store(world_size)
     try:
-        mp.start_processes(
-            _rank_entry,
-            args=(fn, world_size, agent_store_env(store), env, errors, args),
-            nprocs=world_size,
-            start_method=start_method,
-        )
+        with _gpus_hidden_from_children() if on_cpu else contextlib.nullcontext():
+            mp.start_processes(
+                _rank_entry,
+                args=(fn, world_size, agent_store_env(store), env, errors, args),
+                nprocs=world_size,
+                start_method=start_method,
+            )
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as failure:
         reports = []
         while not errors.empty():

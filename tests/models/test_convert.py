@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,3 +149,48 @@ def test_cli_reports_one_line_error(tiny_hf, tmp_path):
     assert result.stderr.strip().splitlines() == [
         "stapo: error: parallel.tensor_parallel: 3 does not divide the 4 attention heads"
     ]
+
+
+def ranks_see_no_gpu(record_dir: str, convert_rank: str, *args) -> None:
+    """A conversion rank (``convert_rank`` of checkpoint/convert.py) that first records what it sees:
+    the GPUs its parent hid, and the CPU view."""
+    import os
+
+    from stapo_megatron.checkpoint import convert
+    from stapo_megatron.runtime.distributed import accelerator_available
+
+    seen = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), "cuda": accelerator_available()}
+    (Path(record_dir) / f"rank{os.environ['RANK']}.json").write_text(json.dumps(seen))
+    getattr(convert, convert_rank)(*args)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordingRank:
+    """A conversion rank function that spawn_ranks can send: :func:`ranks_see_no_gpu` around ``rank_fn``."""
+
+    record_dir: str
+    rank_fn: str
+
+    def __call__(self, *args) -> None:
+        ranks_see_no_gpu(self.record_dir, self.rank_fn, *args)
+
+
+@pytest.mark.slow
+def test_a_host_with_8_gpus_converts_at_tp8_pp2_on_the_cpu(tmp_path, monkeypatch):
+    """16 ranks, 8 GPUs: each rank would take the GPU of its LOCAL_RANK ("invalid device ordinal" from
+    rank 8 on); instead every rank runs on the CPU, and the round trip is exact."""
+    from stapo_megatron.checkpoint import convert
+    from stapo_megatron.runtime import distributed
+
+    hf = save_tiny_qwen3(tmp_path / "hf", tie=False, seed=8, num_attention_heads=8, num_key_value_heads=8, head_dim=8)
+    monkeypatch.setattr(distributed, "accelerator_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    records = tmp_path / "ranks"
+    records.mkdir()
+    monkeypatch.setattr(convert, "hf_to_megatron_rank", RecordingRank(str(records), "hf_to_megatron_rank"))
+    convert_hf_to_megatron(hf, tmp_path / "mg", tp=8, pp=2)
+    seen = [json.loads((records / f"rank{rank}.json").read_text()) for rank in range(16)]
+    assert seen == [{"CUDA_VISIBLE_DEVICES": "", "cuda": False}] * 16
+    monkeypatch.undo()  # back to this host as it is, for the way back at another layout
+    convert_megatron_to_hf(tmp_path / "mg", tmp_path / "back", tp=2, pp=1)
+    assert_bit_exact(hf, tmp_path / "back")

@@ -31,6 +31,10 @@ from stapo_megatron.models.qwen3.config import (
 
 @functools.cache
 def transformer_engine_available() -> bool:
+    """Transformer Engine imports and this process sees a GPU (a rank run on the CPU of a GPU host,
+    its GPUs hidden, takes the local spec even where TE is installed)."""
+    if not torch.cuda.is_available():
+        return False
     try:
         import transformer_engine.pytorch  # noqa: F401
     except Exception:  # ImportError, or a broken CUDA install raising OSError/RuntimeError
