@@ -151,6 +151,7 @@ class RolloutController:
         self._rank0 = rank0
         self._servers = servers
         self.pipelined = pipelined  # generation runs beside training (rank 0's RolloutPipeline)
+        self._stretches_alone = 0  # rank 0's stretches alone so far, counted alike on every rank
         self._weight_sync: WeightSync | None = None  # every rank's link to the SGLang servers, made at the first sync
 
     @classmethod
@@ -285,14 +286,18 @@ class RolloutController:
         step: int,
         timer: PhaseTimer,
     ) -> _Result:
-        """``action(rank0)`` on rank 0 while every other rank waits for it in a barrier (``default``
-        there). Rollouts and evaluation may outlast run.hang_timeout_s: rank 0 beats through them (their
-        requests and rewards have time limits of their own) and the waiting ranks beat whenever rank 0
-        does: a long rollout ends no rank, and a lost or frozen rank 0 still ends those waiting for it."""
+        """``action(rank0)`` on rank 0 while every other rank waits for it (``default``
+        there). Rollouts and evaluation may outlast run.hang_timeout_s and parallel.timeout_minutes: rank 0
+        beats through them (their requests and rewards have time limits of their own) and the waiting
+        ranks, waiting in the job's store, beat whenever rank 0 does: a long rollout ends no rank, and a
+        lost or frozen rank 0 still ends those waiting for it."""
         result = default
         if self._rank0 is not None:
             with self.heartbeat.keep_alive():
                 result = action(self._rank0)
-        with timer(phase), self.heartbeat.following_rank0(phase, step):
-            dist.barrier(group=self.ctx.cpu_group)
+        self._stretches_alone += 1
+        with timer(phase):
+            self.heartbeat.wait_for_rank0(
+                phase, step, self._stretches_alone, lambda: dist.barrier(group=self.ctx.cpu_group)
+            )
         return result

@@ -13,7 +13,9 @@ are bounded by their own time limits (each ``/generate`` request by ``request_ti
 reward by its worker's limit), so rank 0 keeps beating through them (:meth:`Heartbeat.keep_alive`),
 and a rank waiting for rank 0 beats whenever rank 0 does (:meth:`Heartbeat.following_rank0`): rank
 0 publishes its beats in the job's key-value store. A rank 0 that is lost or frozen stops
-publishing, so the ranks waiting for it still end within the timeout.
+publishing, so the ranks waiting for it still end within the timeout. They wait in the store, not in
+a collective (:meth:`Heartbeat.wait_for_rank0`), so no collective timeout cuts short a long
+evaluation that rank 0 beats through.
 
 What the run keeps is its latest checkpoint on disk: a rank blocked inside a collective cannot
 write one (the ranks it would need are not there to take part), so the message names the step
@@ -24,16 +26,19 @@ from it. Saving often (``checkpoint.save_every``) bounds what a hang costs.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from stapo_megatron.trainer.metrics import PhaseTimer
 
 # EX_TEMPFAIL: the run did not fail on its own and may be started again from its checkpoint.
 HANG_EXIT_CODE = 75
 RANK0_BEATS_KEY = "stapo/heartbeat/rank0"  # rank 0's beat count, in the store every rank reaches
+RANK0_DONE_KEY = "stapo/heartbeat/rank0-done"  # /<n>: rank 0 has finished its n-th stretch alone
 
 
 def job_store():
@@ -124,6 +129,35 @@ class Heartbeat:
 
         with self._beating(rank0_beat):
             yield
+
+    def wait_for_rank0(self, phase: str, step: int, stretch: int, rendezvous: Callable[[], None]) -> None:
+        """After rank 0's ``stretch``-th stretch alone (every rank counts them alike), every rank meets
+        in ``rendezvous`` (a collective), the others having waited for rank 0 in the job's store first:
+        as long as rank 0 keeps beating, and at most run.hang_timeout_s after it stops (the watchdog
+        ends the rank). A collective alone would give up after parallel.timeout_minutes however long
+        rank 0's bounded work runs (evaluating six benchmarks at 20k tokens can take close to an hour)."""
+        key = f"{RANK0_DONE_KEY}/{stretch}"
+        with self.following_rank0(phase, step):
+            if self.store is not None:
+                if self.rank == 0:
+                    self.store.set(key, "1")
+                else:
+                    self._wait_in_store(key)
+            rendezvous()  # every rank is there or on its way: it returns at once
+        if self.store is not None and self.rank == 0:
+            with contextlib.suppress(RuntimeError):  # every rank has read it (a store without deletes keeps it)
+                self.store.delete_key(key)
+
+    def _wait_in_store(self, key: str) -> None:
+        assert self.store is not None
+        wait = datetime.timedelta(seconds=self.poll_s)
+        while True:
+            asked = time.monotonic()
+            try:
+                self.store.wait([key], wait)
+                return
+            except RuntimeError:  # not yet; or the store is unreachable, and then rank 0's beats stop too
+                time.sleep(max(0.0, self.poll_s - (time.monotonic() - asked)))
 
     def _rank0_beats(self) -> str | None:
         assert self.store is not None  # following_rank0 reads only with a store

@@ -8,6 +8,7 @@ torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -97,8 +98,17 @@ def _trainer(rank: int, hang_timeout_s: float, slow_s: float, mode: str, events:
     return trainer
 
 
+# The collectives' timeout (parallel.timeout_minutes) in the slow mode: shorter than rank 0's rollout and
+# evaluation, which the other rank waits through all the same.
+SLOW_MODE_COLLECTIVE_TIMEOUT_S = 2.0
+
+
 def main(mode: str, out_dir: str, hang_timeout_s: float, slow_s: float) -> None:
-    dist.init_process_group("gloo")
+    if mode == "slow":
+        assert slow_s > SLOW_MODE_COLLECTIVE_TIMEOUT_S
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=SLOW_MODE_COLLECTIVE_TIMEOUT_S))
+    else:
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     events: dict[str, float] = {}
     trainer = _trainer(rank, hang_timeout_s, slow_s, mode, events)

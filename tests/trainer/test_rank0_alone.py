@@ -1,8 +1,9 @@
 """What rank 0 does alone while every other rank waits for it, on two real gloo ranks running the
 trainer's own methods (tests/trainer/_rank0_alone_workers.py):
 
-* a rollout and an evaluation each longer than run.hang_timeout_s end no rank: rank 0 beats through
-  them and the waiting rank beats whenever rank 0 does;
+* a rollout and an evaluation each longer than run.hang_timeout_s and than the collectives' timeout
+  end no rank: rank 0 beats through them and the waiting rank, waiting in the job's store, beats
+  whenever rank 0 does;
 * a rank 0 frozen mid-rollout (SIGSTOP: every thread of it) still has the waiting rank ended, within
   the timeout, naming the wait;
 * with offload, rank 0 resumes the servers' memory only after every rank's optimizer state is off
