@@ -32,7 +32,15 @@ from typing import TYPE_CHECKING, Any
 
 from stapo_megatron.config import ConfigError, build
 from stapo_megatron.config.command import read_training_file
-from stapo_megatron.launch.plan import GIB, Estimate, Layout, Workload, check_layout_fits_model, estimate
+from stapo_megatron.launch.plan import (
+    GIB,
+    DeviceCosts,
+    Estimate,
+    Layout,
+    Workload,
+    check_layout_fits_model,
+    estimate,
+)
 from stapo_megatron.launch.plan_config import PlanConfig, memory_model
 from stapo_megatron.models.qwen3.config import Qwen3Config
 from stapo_megatron.rollout.config import SGLangConfig
@@ -46,7 +54,10 @@ if TYPE_CHECKING:
 
 MEGATRON_ORDER = "tp-cp-ep-dp-pp"  # initialize_model_parallel's default, which init_distributed keeps
 EXPORT_BUCKETS = 2  # an exporting rank fills bucket k+1 while bucket k is sent (checkpoint/export.pipelined)
-COPY_BUCKETS = 1  # a relay or handle rank takes another rank's buckets one at a time
+COPY_BUCKETS = 1  # a handle rank takes another rank's buckets one at a time
+# a relay receives bucket k+1 while the bucket k it broadcast stays allocated until that broadcast has
+# run on the GPU (recordStream)
+RELAY_BUCKETS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +78,7 @@ class MemoryModel:
     work: Workload
     options: dict[str, Any]
     bucket_bytes: int
+    headroom: float = 0.0  # bytes every phase must leave free on a GPU (plan.headroom_gb)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,13 +118,15 @@ class PhaseMemory:
     training: float
     rollout: float
     sync: float
-    gpu_memory: float
+    gpu_memory: float  # usable
+
+    @property
+    def phases(self) -> tuple[tuple[str, float], ...]:
+        return (("training", self.training), ("rollout", self.rollout), ("weight sync", self.sync))
 
     @property
     def peak(self) -> tuple[str, float]:
-        return max(
-            (("training", self.training), ("rollout", self.rollout), ("weight sync", self.sync)), key=lambda p: p[1]
-        )
+        return max(self.phases, key=lambda p: p[1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,10 +179,10 @@ class JobLayout:
         if self.memory is not None:
             mem = self.memory
             phase, _ = mem.peak
-            lines.append(
-                f"memory per GPU, GiB of {mem.gpu_memory / GIB:g}: training {mem.training / GIB:.1f}, rollout "
-                f"{mem.rollout / GIB:.1f}, weight sync {mem.sync / GIB:.1f} (peak: {phase})"
+            each = ", ".join(
+                f"{name} {used / GIB:.1f} (margin {(mem.gpu_memory - used) / GIB:.1f})" for name, used in mem.phases
             )
+            lines.append(f"memory per GPU, GiB of {mem.gpu_memory / GIB:g} usable: {each} (peak: {phase})")
         return "\n".join(lines)
 
     def route_lines(self) -> list[str]:
@@ -247,7 +261,8 @@ def check_train_layout(train: TrainConfig, machines: Machines, plan: PlanConfig 
     sglang = train.rollout.sglang if train.rollout.engine == "sglang" else None
     work, options = memory_model(plan or PlanConfig(), train)
     bucket = max(sglang.weight_bucket_bytes if sglang else 0, largest_export_entry(train.model, work.param_bytes))
-    return check_layout(train.model, train.parallel, sglang, machines, MemoryModel(work, options, bucket))
+    headroom = (plan or PlanConfig()).headroom_gb * GIB
+    return check_layout(train.model, train.parallel, sglang, machines, MemoryModel(work, options, bucket, headroom))
 
 
 def check_layout(
@@ -308,12 +323,13 @@ def _check(
         check_routes(mode, ranks, servers, routes, nccl=machines.on_gpus and sglang.weight_sync_backend == "nccl")
     phases = None
     if memory is not None and machines.on_gpus:
-        phases = phase_memory(arch, parallel, ranks, routes, memory)
+        phases = phase_memory(arch, parallel, ranks, routes, servers, memory)
         phase, peak = phases.peak
-        if peak > phases.gpu_memory:
+        if peak + memory.headroom > phases.gpu_memory:
             raise ConfigError(
-                f"the {phase} phase needs {peak / GIB:.1f} GiB per GPU, more than the {phases.gpu_memory / GIB:g} "
-                "GiB of a GPU (stapo plan --config shows each term)"
+                f"the {phase} phase needs {peak / GIB:.1f} GiB per GPU of the {phases.gpu_memory / GIB:g} usable, "
+                f"leaving less than plan.headroom_gb {memory.headroom / GIB:g} free (stapo plan --config shows each "
+                "term; lower rollout.sglang.mem_fraction_static or weight_bucket_bytes)"
             )
     return JobLayout(name, machines, tuple(ranks), groups, servers, mode, routes, phases)
 
@@ -489,21 +505,49 @@ def phase_memory(
     parallel: ParallelConfig,
     ranks: Sequence[RankPlace],
     routes: Sequence[Route],
+    servers: Sequence[ServerPlace],
     memory: MemoryModel,
 ) -> PhaseMemory:
-    """Each phase's bytes on its worst GPU: training and rollout from the plan's estimate, the
-    weight sync from the rollout phase of each rank's stage plus the buckets that rank holds."""
+    """Each phase's bytes on its worst GPU: training and rollout from the plan's estimate, the weight
+    sync from the rollout phase of each rank's stage plus the buckets that rank holds and the sync's
+    NCCL communicators on its GPU (:func:`sync_communicators`)."""
     layout = Layout(parallel.tensor_parallel, parallel.pipeline_parallel, parallel.data_parallel)
     est: Estimate = estimate(arch, layout, memory.work, **memory.options)
+    costs: DeviceCosts = memory.options.get("costs", DeviceCosts())
     exporting = {r.source for r in routes}
-    copying = {r.relay for r in routes if r.relay is not None}
-    copying |= {h for r in routes for h in r.handle_ranks if h != r.source}
+    relays = {r.relay for r in routes if r.relay is not None}
+    copying = {h for r in routes for h in r.handle_ranks if h != r.source} - relays
     sync = 0.0
     for p in ranks:
-        buckets = EXPORT_BUCKETS * (p.rank in exporting) + COPY_BUCKETS * (p.rank in copying)
+        buckets = (
+            EXPORT_BUCKETS * (p.rank in exporting)
+            + COPY_BUCKETS * (p.rank in copying)
+            + RELAY_BUCKETS * (p.rank in relays)
+        )
         kept = est.kept_while_generating(est.stages[p.pp_rank])
-        sync = max(sync, kept + est.sglang + est.reserve + buckets * memory.bucket_bytes)
+        communicators = costs.communicators(sync_communicators(p, routes, servers))
+        sync = max(sync, kept + est.sglang + est.reserve + buckets * memory.bucket_bytes + communicators)
     return PhaseMemory(est.train_phase, est.rollout_phase, sync, est.gpu_memory)
+
+
+def sync_communicators(place: RankPlace, routes: Sequence[Route], servers: Sequence[ServerPlace]) -> list[int]:
+    """The sizes of the NCCL communicators the weight sync adds on ``place``'s GPU: the trainer rank's
+    weight-update groups (one per server it feeds over NCCL), its server's handle group and a relay's
+    point-to-point pair (CUDA IPC), and the weight-update groups of a colocated server on the GPU
+    (one per trainer rank that feeds it over NCCL)."""
+    tp_of = {s.endpoint.index: s.endpoint.tp_size for s in servers}
+    sizes = [1 + tp_of[r.server] for r in routes if r.transport == "nccl" and r.source == place.rank]
+    ipc = [r for r in routes if r.transport == "cuda_ipc"]
+    handle_groups = {r.server: r.handle_ranks for r in ipc if len(r.handle_ranks) > 1}
+    sizes += [len(ranks) for ranks in handle_groups.values() if place.rank in ranks]
+    pairs = {(r.source, r.relay) for r in ipc if r.relay is not None}
+    sizes += [2 for pair in pairs if place.rank in pair]
+    for server in servers:
+        if server.endpoint.node == place.node and place.gpu in server.gpus:
+            sizes += [1 + server.endpoint.tp_size] * sum(
+                r.transport == "nccl" and r.server == server.endpoint.index for r in routes
+            )
+    return sizes
 
 
 def check_node_layout(cfg: TrainConfig, config_path: str | os.PathLike | None) -> None:

@@ -59,8 +59,17 @@ On top of that, one at a time (the loss's backward ends before the first layer's
     activations = kept + max(work, logits)
 
 Per GPU, the two phases of a step with colocated servers holding a share S (their
-mem_fraction_static x GPU memory) and a fixed reserve R (CUDA context, NCCL buffers, allocator
-fragmentation):
+mem_fraction_static x GPU memory) and a fixed reserve R of what no tensor accounts for
+(:class:`DeviceCosts`; every term a ``plan:`` setting):
+    R = contexts x C + sum over the communicators on the GPU of (M + NVLS) + F
+    C   one CUDA context per process on the GPU: the trainer rank, and a colocated server's
+    M   one NCCL communicator's buffers; NCCL makes a group's communicator at its first collective and
+        keeps it (offload does not free it): a trainer rank holds the world's, TP's, DP's, the model-
+        parallel group's (the gradient norm), one per pipeline neighbour (batched p2p) and the
+        embedding group's (tied, PP > 1); a colocated server of TP > 1 its TP group's
+    NVLS with NCCL_NVLS_ENABLE on (off by default: runtime/environment.py), per communicator of 4 or
+        more ranks (NVLS buffers: NCCL issue 864 reports 1.6 GB for one)
+    F   the caching allocator's fragmentation
     train phase    weights + gradients + optimizer + activations  (of the worst stage)
                    + S unless the servers release their memory while the trainer runs
                      (--sglang-released) + R
@@ -74,8 +83,10 @@ Rollout capacity of a server of TP t_s (SGLang sizes its KV cache per GPU at sta
     tokens per server            floor(KV cache per GPU / KV bytes per token per GPU)
     sequences per server         floor(tokens per server / (max prompt + max new tokens))
 Colocated, every GPU of the job serves (GPUs / t_s servers); disaggregated, the dedicated servers.
-Sizes are GiB (2^30 bytes); "80 GB" GPUs such as the H100 have 79.6 GiB usable, within the
-reserve. Checked against models built on the meta device (parameter counts per stage, exact)
+The weight-sync phase (``stapo plan --check``, launch/layout.py) adds the sync's buckets and
+communicators on each GPU. Sizes are GiB (2^30 bytes) of the device's usable memory: an "80 GB"
+H100 has 79.6 GiB (what torch.cuda.mem_get_info reports as its total). Checked against models built
+on the meta device (parameter counts per stage, exact)
 and against the peak memory of forward + backward of small models on CPU (tests/launch).
 """
 
@@ -83,12 +94,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Literal
 
 from stapo_megatron.config import ConfigError
 from stapo_megatron.models.qwen3.config import Qwen3Config, padded_vocab_size
 
 GIB = 1 << 30
+USABLE_GPU_MEMORY_GB = 79.6  # an "80 GB" H100: the total torch.cuda.mem_get_info reports
 # Megatron's param/grad buffer alignment with the distributed optimizer (param_and_grad_buffer.py).
 PARAM_ALIGN = 64
 BUCKET_ALIGN = 128
@@ -295,6 +308,42 @@ class StageMemory:
         return self.weights + self.grads + self.optimizer + self.reference + self.peak_activations
 
 
+@dataclasses.dataclass(frozen=True)
+class DeviceCosts:
+    """Per-GPU memory that no tensor of the model or the servers' share accounts for, in GiB (the
+    ``plan:`` section's settings; estimates for an H100 with CUDA 12, to be raised where measured)."""
+
+    cuda_context_gb: float = 0.6  # one process's CUDA context with torch's cuBLAS/cuDNN handles
+    nccl_communicator_gb: float = 0.4  # one NCCL communicator's buffers (channels x peers x protocols)
+    nvls_gb: float = 1.6  # added per communicator of 4+ ranks with NVLS on (NCCL issue 864: 1.6 GB)
+    nvls: bool = False  # NCCL_NVLS_ENABLE as the job runs (off unless exported: runtime/environment.py)
+    fragmentation_gb: float = 2.0  # the caching allocator's fragmentation
+
+    def communicators(self, sizes: Sequence[int]) -> float:
+        """Bytes of NCCL communicators of these sizes (ranks) on one GPU."""
+        nvls = self.nvls_gb if self.nvls else 0.0
+        return GIB * sum(self.nccl_communicator_gb + (nvls if size >= 4 else 0.0) for size in sizes)
+
+
+def trainer_communicators(layout: Layout, tied_embeddings: bool) -> list[int]:
+    """The sizes of the NCCL communicators a trainer rank holds once it has trained a step: the world
+    (the batch's broadcast, flags), TP, DP (gradients), the model-parallel group (the gradient norm),
+    one per pipeline neighbour (batched p2p makes a two-rank communicator per peer) and the embedding
+    group (tied embeddings with PP > 1)."""
+    sizes = [layout.gpus]
+    if layout.tp > 1:
+        sizes.append(layout.tp)
+    if layout.dp > 1:
+        sizes.append(layout.dp)
+    if layout.tp * layout.pp > 1:
+        sizes.append(layout.tp * layout.pp)
+    if layout.pp > 1:
+        sizes += [2] * min(2, layout.pp - 1)
+        if tied_embeddings:
+            sizes.append(2)
+    return sizes
+
+
 @dataclasses.dataclass
 class Estimate:
     layout: Layout
@@ -401,9 +450,10 @@ def estimate(
     layout: Layout,
     work: Workload,
     *,
-    gpu_memory_gb: float = 80.0,
+    gpu_memory_gb: float = USABLE_GPU_MEMORY_GB,
     colocate_fraction: float = 0.0,
-    reserve_gb: float = 4.0,
+    costs: DeviceCosts = DeviceCosts(),
+    server_tp: int = 1,
     sglang_released: bool = False,
     offload: bool = False,
 ) -> Estimate:
@@ -417,11 +467,20 @@ def estimate(
         layout=layout,
         stages=stages,
         sglang=colocate_fraction * gpu_memory_gb * GIB,
-        reserve=reserve_gb * GIB,
+        reserve=fixed_bytes(layout, arch.tie_word_embeddings, costs, colocate_fraction > 0, server_tp),
         gpu_memory=gpu_memory_gb * GIB,
         sglang_released=sglang_released,
         offload=offload,
     )
+
+
+def fixed_bytes(layout: Layout, tied_embeddings: bool, costs: DeviceCosts, colocated: bool, server_tp: int) -> float:
+    """R of a GPU with a trainer rank of ``layout`` (and a colocated server's process, when there is one)."""
+    communicators = trainer_communicators(layout, tied_embeddings)
+    if colocated and server_tp > 1:
+        communicators.append(server_tp)
+    contexts = 1 + colocated
+    return contexts * costs.cuda_context_gb * GIB + costs.communicators(communicators) + costs.fragmentation_gb * GIB
 
 
 KV_CACHE_BYTES = 2  # SGLang's KV cache in bf16 (the dtype of the paper configs' servers)
@@ -500,9 +559,10 @@ def plan(
     gpus: int,
     work: Workload,
     *,
-    gpu_memory_gb: float = 80.0,
+    gpu_memory_gb: float = USABLE_GPU_MEMORY_GB,
     colocate_fraction: float = 0.0,
-    reserve_gb: float = 4.0,
+    costs: DeviceCosts = DeviceCosts(),
+    server_tp: int = 1,
     gpus_per_node: int = 8,
     sglang_released: bool = False,
     offload: bool = False,
@@ -517,7 +577,8 @@ def plan(
             work,
             gpu_memory_gb=gpu_memory_gb,
             colocate_fraction=colocate_fraction,
-            reserve_gb=reserve_gb,
+            costs=costs,
+            server_tp=server_tp,
             sglang_released=sglang_released,
             offload=offload,
         )

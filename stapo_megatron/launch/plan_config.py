@@ -8,7 +8,8 @@ from typing import Any, Literal
 
 from stapo_megatron.config import MAX_BATCH, MAX_TOKENS, option
 from stapo_megatron.config.core import field_default
-from stapo_megatron.launch.plan import Kernels, Recompute, Workload
+from stapo_megatron.launch.plan import USABLE_GPU_MEMORY_GB, DeviceCosts, Kernels, Recompute, Workload
+from stapo_megatron.runtime.environment import shared_nccl_env
 
 
 @dataclasses.dataclass
@@ -49,7 +50,12 @@ class PlanConfig:
     dtype: Literal["bfloat16", "float32"] | None = option(
         None, "Parameter dtype (default: the training config's, else bfloat16)."
     )
-    gpu_memory_gb: float = option(80.0, "Memory per GPU in GiB.", gt=0, le=1 << 20)
+    gpu_memory_gb: float = option(
+        USABLE_GPU_MEMORY_GB,
+        "Usable memory per GPU in GiB: the total torch.cuda.mem_get_info reports (79.6 on an 80 GB H100).",
+        gt=0,
+        le=1 << 20,
+    )
     gpus_per_node: int = option(
         8,
         "GPUs per node: the largest TP considered (TP stays within a node), and the nodes of --check.",
@@ -80,7 +86,27 @@ class PlanConfig:
         ge=1,
         le=MAX_BATCH,
     )
-    reserve_gb: float = option(4.0, "CUDA context, NCCL and fragmentation, GiB per GPU.", ge=0, le=1 << 20)
+    reserve_gb: float = option(
+        DeviceCosts.fragmentation_gb,
+        "The caching allocator's fragmentation and anything no other term counts, GiB per GPU.",
+        ge=0,
+        le=1 << 20,
+    )
+    cuda_context_gb: float = option(
+        DeviceCosts.cuda_context_gb, "One process's CUDA context (trainer rank, colocated server), GiB.", ge=0, le=1024
+    )
+    nccl_communicator_gb: float = option(
+        DeviceCosts.nccl_communicator_gb, "One NCCL communicator's buffers without NVLS, GiB.", ge=0, le=1024
+    )
+    nvls_gb: float = option(
+        DeviceCosts.nvls_gb,
+        "Added per NCCL communicator of 4+ ranks when NCCL_NVLS_ENABLE is on in this environment, GiB.",
+        ge=0,
+        le=1024,
+    )
+    headroom_gb: float = option(
+        2.0, "--check refuses a phase that leaves less than this free on a GPU, GiB.", ge=0, le=1 << 20
+    )
     logits_chunk: int | None = option(
         None, "Tokens per log-prob/entropy chunk (default: the training config's, else 1024).", ge=1, le=MAX_TOKENS
     )
@@ -215,10 +241,18 @@ def memory_model(cfg: PlanConfig, train) -> tuple[Workload, dict[str, Any]]:
         reference_model=defaults.get("reference_model", False),
     )
     offload = plan_value(cfg, defaults, "offload", False)
+    costs = DeviceCosts(
+        cuda_context_gb=cfg.cuda_context_gb,
+        nccl_communicator_gb=cfg.nccl_communicator_gb,
+        nvls_gb=cfg.nvls_gb,
+        nvls=shared_nccl_env()["NCCL_NVLS_ENABLE"] != "0",
+        fragmentation_gb=cfg.reserve_gb,
+    )
     options = {
         "gpu_memory_gb": cfg.gpu_memory_gb,
         "colocate_fraction": plan_value(cfg, defaults, "colocate_fraction", 0.0),
-        "reserve_gb": cfg.reserve_gb,
+        "costs": costs,
+        "server_tp": plan_value(cfg, defaults, "server_tp", 1),
         "sglang_released": plan_value(cfg, defaults, "sglang_released", False) or offload,
         "offload": offload,
     }

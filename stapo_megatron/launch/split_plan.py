@@ -41,6 +41,7 @@ class Split:
     job: JobLayout | None = None
     time: StepTime | None = None
     refused: str = ""
+    share: float = 0.0  # the colocated servers' mem_fraction_static (the synchronous split)
 
     @property
     def server_gpus(self) -> int:
@@ -106,12 +107,13 @@ def _parallel(train: TrainConfig, layout: Layout):
     )
 
 
-def _memory(cfg: PlanConfig, train: TrainConfig, colocated: bool) -> MemoryModel:
+def _memory(cfg: PlanConfig, train: TrainConfig, colocated: bool, share: float | None = None) -> MemoryModel:
+    """The memory model of ``train`` with its servers colocated at ``share`` (default: its own) or not."""
     work, options = memory_model(cfg, train)
-    share = train.rollout.sglang.mem_fraction_static if colocated else 0.0
+    share = (train.rollout.sglang.mem_fraction_static if share is None else share) if colocated else 0.0
     options = {**options, "colocate_fraction": share, "sglang_released": colocated, "offload": colocated}
     bucket = max(train.rollout.sglang.weight_bucket_bytes, largest_export_entry(train.model, work.param_bytes))
-    return MemoryModel(work, options, bucket)
+    return MemoryModel(work, options, bucket, cfg.headroom_gb * GIB)
 
 
 def _fastest_first(layouts: list[Layout], train: TrainConfig, tokens: StepTokens) -> list[Layout]:
@@ -131,9 +133,15 @@ def _least_memory(layouts: list[Layout], train: TrainConfig, memory: MemoryModel
     return f" (least: TP{lay.tp} PP{lay.pp} DP{lay.dp}, {total / GIB:.1f} GiB)"
 
 
+# The synchronous comparison's colocated servers take the config's mem_fraction_static, or the largest
+# share below it, in these steps down to the floor, whose every phase fits (a share sized for dedicated
+# server GPUs may leave no room on a GPU the trainer shares).
+SHARE_STEP, LEAST_SHARE = 0.05, 0.5
+
+
 def synchronous_split(cfg: PlanConfig, train: TrainConfig, machines: Machines, tokens: StepTokens, rate) -> Split:
     """Every GPU trains and generates in turns: the config's own layout when it is that, else the fitting
-    colocated layout of all the GPUs with the fastest modelled training."""
+    colocated layout of all the GPUs with the fastest modelled training, at the largest share that fits."""
     gpn, gpus = machines.gpus_per_node, machines.nodes * machines.gpus_per_node
     sglang = train.rollout.sglang
     own = Layout(train.parallel.tensor_parallel, train.parallel.pipeline_parallel, train.parallel.data_parallel)
@@ -142,17 +150,33 @@ def synchronous_split(cfg: PlanConfig, train: TrainConfig, machines: Machines, t
     else:
         layouts = [lay for lay in candidate_layouts(train.model, gpus, gpn) if gpn % lay.tp == 0]
     server_tp = sglang.tp_size if gpn % sglang.tp_size == 0 else gpn
-    colocated = dataclasses.replace(
-        sglang, placement="colocated", tp_size=server_tp, num_servers=1, base_gpu_id=0, urls=[], weight_sync="auto"
-    )
-    memory = _memory(cfg, train, colocated=True)
-    fitting = _fitting(layouts, train, memory)
-    if not fitting:
-        return Split(gpn, refused=f"no layout of {gpus} GPUs fits{_least_memory(layouts, train, memory)}")
-    layout = _fastest_first(fitting, train, tokens)[0]
-    job = check_layout(train.model, _parallel(train, layout), colocated, machines, memory)
-    time = synchronous_step(tokens, gpus, rate, efficiency(layout, train, tokens))
-    return Split(gpn, server_tp, layout, job, time)
+    refusal = ""
+    share = sglang.mem_fraction_static
+    while share >= LEAST_SHARE - 1e-9:
+        colocated = dataclasses.replace(
+            sglang,
+            placement="colocated",
+            tp_size=server_tp,
+            num_servers=1,
+            base_gpu_id=0,
+            urls=[],
+            weight_sync="auto",
+            mem_fraction_static=round(share, 2),
+        )
+        memory = _memory(cfg, train, colocated=True, share=colocated.mem_fraction_static)
+        fitting = _fitting(layouts, train, memory)
+        if not fitting:
+            refusal = refusal or f"no layout of {gpus} GPUs fits{_least_memory(layouts, train, memory)}"
+        for layout in _fastest_first(fitting, train, tokens):
+            try:  # the whole job: the weight sync's phase too, which the estimate alone does not count
+                job = check_layout(train.model, _parallel(train, layout), colocated, machines, memory)
+            except ConfigError as err:
+                refusal = refusal or str(err)
+                continue
+            time = synchronous_step(tokens, gpus, rate, efficiency(layout, train, tokens))
+            return Split(gpn, server_tp, layout, job, time, share=colocated.mem_fraction_static)
+        share -= SHARE_STEP
+    return Split(gpn, refused=refusal)
 
 
 def server_tps(cfg: PlanConfig, train: TrainConfig, gpus: int) -> list[int]:
@@ -297,8 +321,8 @@ def format_async_plan(result: AsyncPlan) -> str:
         t = sync.time
         lines.append(
             f"synchronous, colocated on {gpus} GPUs: trainer {_layout_text(sync)}, {len(sync.job.servers)} servers x "  # type: ignore[union-attr]
-            f"TP{sync.server_tp}: generation {t.generation_s:.1f} + training {t.training_s:.1f} + pause "
-            f"{t.pause_s:.1f} = {t.total_s:.1f} s"
+            f"TP{sync.server_tp} at mem_fraction_static {sync.share:g}: generation {t.generation_s:.1f} + training "
+            f"{t.training_s:.1f} + pause {t.pause_s:.1f} = {t.total_s:.1f} s"
         )
     lines.append(
         f"asynchronous splits of {result.nodes} node(s) x {result.gpus_per_node} GPUs (trainer ranks on GPUs "

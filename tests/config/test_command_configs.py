@@ -109,14 +109,16 @@ def test_plan_reads_its_section_of_a_training_config(tmp_path, capsys):
     out = capsys.readouterr().out
     # 8 GPUs from the config's layout, TP 2 from the flag (so PP 1, DP 4), the rest from the plan: section
     assert "8 GPUs of 141 GiB; sequence 4096 tokens x micro-batch 1; recompute full" in out
-    assert "TP=2 PP=1 DP=4" in out and "reserve 6.0" in out
+    # plan.reserve_gb is the fragmentation term: + a CUDA context 0.6 + 4 communicators (world, TP, DP,
+    # model parallel) x 0.4
+    assert "TP=2 PP=1 DP=4" in out and "reserve 8.2" in out
 
 
 def test_readme_plan_command_works_as_written(capsys):
     assert main(["plan", "--model", "qwen3_32b", "--gpus", "16"]) == 0
     out = capsys.readouterr().out
     # without a training config the sequence is batch.max_tokens_per_microbatch's default
-    assert out.startswith("32,762,123,264 parameters; 16 GPUs of 80 GiB; sequence 18432 tokens")
+    assert out.startswith("32,762,123,264 parameters; 16 GPUs of 79.6 GiB; sequence 18432 tokens")
 
 
 def test_submit_reads_its_section_of_a_training_config(tmp_path, capsys):

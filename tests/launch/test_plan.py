@@ -261,11 +261,28 @@ def test_released_sglang_share_takes_turns_with_activations():
     released = plan.estimate(arch, Layout(8, 2, 4), work, colocate_fraction=0.6, sglang_released=True)
     worst = held.worst
     static = worst.weights + worst.grads + worst.optimizer
-    assert held.total == static + worst.peak_activations + 0.6 * 80 * plan.GIB + 4 * plan.GIB
+    share, reserve = 0.6 * plan.USABLE_GPU_MEMORY_GB * plan.GIB, held.reserve
+    assert held.total == static + worst.peak_activations + share + reserve
     # the two phases' worst stages may differ: the rollout phase counts the largest static state
     largest_static = max(st.weights + st.grads + st.optimizer for st in released.stages)
-    assert released.total == max(static + worst.peak_activations, largest_static + 0.6 * 80 * plan.GIB) + 4 * plan.GIB
+    assert released.total == max(static + worst.peak_activations, largest_static + share) + reserve
     assert not held.fits and released.fits
+
+
+def test_the_reserve_counts_contexts_communicators_and_nvls():
+    """R of a GPU of the 32B paper layout (TP8 PP2 DP4, untied): the trainer rank's communicators
+    (world 64, TP 8, DP 4, model parallel 16, one pipeline neighbour) and a colocated TP8 server's,
+    two CUDA contexts and the fragmentation; NVLS adds to every communicator of 4+ ranks."""
+    arch = build(Qwen3Config, "qwen3_32b")
+    layout, work = Layout(8, 2, 4), Workload(seq_len=17408, recompute="full")
+    assert plan.trainer_communicators(layout, tied_embeddings=False) == [64, 8, 4, 16, 2]
+    assert plan.trainer_communicators(Layout(2, 3, 1), tied_embeddings=True) == [6, 2, 6, 2, 2, 2]
+    colocated = plan.estimate(arch, layout, work, colocate_fraction=0.75, server_tp=8)
+    alone = plan.estimate(arch, layout, work)
+    assert colocated.reserve == pytest.approx((2 * 0.6 + 6 * 0.4 + 2.0) * plan.GIB)
+    assert alone.reserve == pytest.approx((0.6 + 5 * 0.4 + 2.0) * plan.GIB)
+    nvls = plan.estimate(arch, layout, work, colocate_fraction=0.75, server_tp=8, costs=plan.DeviceCosts(nvls=True))
+    assert nvls.reserve == pytest.approx(colocated.reserve + 5 * 1.6 * plan.GIB)  # all but the 2-rank one
 
 
 def test_offload_alternation_per_gpu_phases():
@@ -276,7 +293,7 @@ def test_offload_alternation_per_gpu_phases():
     layout = Layout(8, 2, 4)
     released = plan.estimate(arch, layout, work, colocate_fraction=0.8, sglang_released=True)
     offloaded = plan.estimate(arch, layout, work, colocate_fraction=0.8, sglang_released=True, offload=True)
-    share, reserve = 0.8 * 80 * plan.GIB, 4 * plan.GIB
+    share, reserve = 0.8 * plan.USABLE_GPU_MEMORY_GB * plan.GIB, offloaded.reserve
     worst = offloaded.worst
     assert offloaded.train_phase == released.train_phase == worst.trainer + reserve
     assert offloaded.rollout_phase == max(st.weights for st in offloaded.stages) + share + reserve
@@ -288,7 +305,7 @@ def test_offload_alternation_per_gpu_phases():
     assert offloaded.fits and not released.fits
     # the servers held through training (no release): the old sum, unchanged
     held = plan.estimate(arch, layout, work, colocate_fraction=0.35)
-    assert held.total == held.train_phase == worst.trainer + 0.35 * 80 * plan.GIB + reserve
+    assert held.total == held.train_phase == worst.trainer + 0.35 * plan.USABLE_GPU_MEMORY_GB * plan.GIB + reserve
 
 
 def test_kv_cache_bytes_per_token_split_over_server_tp():
@@ -332,6 +349,8 @@ def test_plan_command_reports_phases_and_rollout_capacity(capsys):
         "qwen3_32b",
         "--gpus",
         "64",
+        "--gpu-memory-gb",
+        "80",
         "--seq-len",
         "17408",
         "--recompute",
