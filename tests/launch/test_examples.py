@@ -64,6 +64,17 @@ def test_script_submits_the_config_on_its_nodes(size, tmp_path, nemorun_home, ca
     argv = record.read_text().split("\0")[:-1]
     assert argv[:3] == ["submit", "--config", str(REPO_ROOT / "configs" / f"qwen3_{size}_stapo.yaml")]
     assert "run.steps=5" in argv and "--dryrun" in argv
+    # from the Hugging Face base model unless CONVERT=1 (below)
+    model_dir = f"models/Qwen3-{size.upper()}-Base"
+    assert "checkpoint.load_megatron=" in argv and f"checkpoint.load_hf={model_dir}" in argv
+    if size == "32b":
+        converted = subprocess.run(
+            ["bash", str(script)], env={**env, "CONVERT": "1"}, capture_output=True, text=True, check=False
+        )
+        assert converted.returncode == 0, converted.stderr
+        submitted = record.read_text().split("\0")[:-1]
+        assert submitted[0] == "submit" and "checkpoint.load_megatron=checkpoints/qwen3_32b_base_tp8pp2" in submitted
+        assert not any(a.startswith("checkpoint.load_hf=") for a in submitted)
 
     monkeypatch.chdir(work)
     assert main(argv) == 0
