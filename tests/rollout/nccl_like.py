@@ -14,7 +14,7 @@ makes the weight sync's export and transfers behave as on GPUs:
   ready event (``transport.ready_event``) completes then, and ``synchronize()`` waits for that;
 - a stream wait (``transport.wait_for``) holds the thread's next collective (``broadcast``, ``send``)
   and its ``finish_transfers`` until the bucket is complete, as the transfer stream would, while the
-  host thread itself is not held until it issues one; a disk write (a device-to-host copy) waits too.
+  host thread itself is not held until it issues one.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def install(rank: int, delay_s: float = 0.01) -> None:
     """Make this rank process's weight sync run as on GPUs (see the module docstring); ``rank``'s
     device runs ``delay_s * (rank % 4 + 1)`` behind each bucket its host hands out."""
     from stapo_megatron.checkpoint.export import FlatBucket, plan_buckets, stage_export_plan
-    from stapo_megatron.rollout.weight_sync import disk, distributed, session, tensor, transport
+    from stapo_megatron.rollout.weight_sync import distributed, session, tensor, transport
 
     events: dict[int, StreamEvent] = {}  # id(bucket handed out) -> its ready event
     real_export = session.iter_rank_buckets
@@ -133,20 +133,11 @@ def install(rank: int, delay_s: float = 0.01) -> None:
     def settled_finish(device) -> None:
         _settle()
 
-    real_disk_send = disk.DiskTransport.send
-
-    def disk_send(self, bucket) -> None:
-        event = self.ready.get(bucket.layout.index)
-        if event is not None:
-            event.synchronize()  # a device-to-host copy waits for the stream that fills the bucket
-        real_disk_send(self, bucket)
-
     session.iter_rank_buckets = run_ahead_export
     transport.ready_event = ready_event
     for module in (transport, distributed, tensor):
         if hasattr(module, "wait_for"):
             module.wait_for = stream_waits_for
     tensor.finish_transfers = settled_finish
-    disk.DiskTransport.send = disk_send
     dist.broadcast = _behind_stream_wait(dist.broadcast)
     dist.send = _behind_stream_wait(dist.send)

@@ -11,7 +11,13 @@ from typing import Any
 
 from stapo_megatron.checkpoint.export import FlatBucket
 from stapo_megatron.rollout.sglang_weights import publish_checkpoint, write_bucket_file
-from stapo_megatron.rollout.weight_sync.transport import RankLayouts, Transport, UpdateSession, check_tallies
+from stapo_megatron.rollout.weight_sync.transport import (
+    RankLayouts,
+    Transport,
+    UpdateSession,
+    check_tallies,
+    wait_on_host,
+)
 
 
 class DiskTransport(Transport):
@@ -36,6 +42,8 @@ class DiskTransport(Transport):
             return
         assert self.directory is not None, "prepare() names the update's directory"
         name = f"rank{self.link.rank:05d}-{bucket.layout.index:05d}.safetensors"
+        # this worker thread's copies to the host follow its own stream, not the export's
+        wait_on_host(self.ready.get(bucket.layout.index))
         write_bucket_file(self.directory / name, bucket.named_tensors())
         self.files.append((name, bucket.layout.names, bucket.nbytes))
 
