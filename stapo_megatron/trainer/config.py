@@ -302,6 +302,13 @@ class TrainConfig:
                     )
                 )
         collective_s = self.parallel.timeout_minutes * 60
+        startup_s = self.rollout.sglang.startup_timeout_s
+        if self.rollout.engine == "sglang" and startup_s >= collective_s:
+            # the other ranks wait for the node leaders' servers in a collective, which would give up first
+            raise ConfigError(
+                f"rollout.sglang.startup_timeout_s: {startup_s:g} s must be below the collective timeout "
+                f"parallel.timeout_minutes={self.parallel.timeout_minutes} ({collective_s} s)"
+            )
         if self.run.hang_timeout_s >= collective_s:
             # a hung collective would end the run first, with no message naming the phase
             raise ConfigError(

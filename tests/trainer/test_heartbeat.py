@@ -105,6 +105,15 @@ def test_hang_timeout_is_checked_when_the_config_loads():
         load_config(TrainConfig, None, ["run.hang_timeout_s=3600", "parallel.timeout_minutes=90"]).run.hang_timeout_s
         == 3600
     )
+    # the ranks wait for the node leaders' servers to start in a collective: its timeout must outlast theirs
+    sglang = ["rollout.engine=sglang", "rollout.sglang.model_path=m", "rollout.sglang.startup_timeout_s=1800"]
+    with pytest.raises(
+        ConfigError,
+        match=r"^rollout.sglang.startup_timeout_s: 1800 s must be below the collective timeout "
+        r"parallel.timeout_minutes=30 \(1800 s\)$",
+    ):
+        load_config(TrainConfig, None, sglang)
+    assert load_config(TrainConfig, None, [*sglang, "parallel.timeout_minutes=31"]).parallel.timeout_minutes == 31
 
 
 def _ranks_of(launcher_pid: int) -> dict[int, int]:
