@@ -23,7 +23,7 @@ from __future__ import annotations
 # The methods of the paper's tables, STAPO last.
 PAPER_COMPARISON: tuple[str, ...] = ("grpo", "entropy20", "justrl", "stapo")
 
-_DAPO_BASE = {"token_rule": "all", "clip_ratio_c": 10.0, "reward_scale": "signed", "overlong_shaping": True}
+_DAPO_BASE = {"token_rule": "all", "overlong_shaping": True}
 
 # preset -> {AlgoConfig field: value} where it differs from the stapo preset (sources: the presets' comments).
 ALGO_DIFFERENCES: dict[str, dict[str, object]] = {
@@ -36,26 +36,22 @@ ALGO_DIFFERENCES: dict[str, dict[str, object]] = {
         "clip_ratio_c": 1.0e9,
         "kl_coef": 0.04,
         "aggregation": "seq_mean_token_mean",
+        "reward_scale": "binary",
     },
     # 20-Entropy's reference script on its DAPO base, without dynamic sampling
     "entropy20": {**_DAPO_BASE, "token_rule": "high_entropy"},
-    # JustRL's script: dual-clip 10, DAPO's +-1 verifier; its clip-higher, no KL, token mean as STAPO's
-    "justrl": {"token_rule": "all", "clip_ratio_c": 10.0, "reward_scale": "signed"},
+    # JustRL's script: STAPO is trained in its setting, so they differ in the token rule alone
+    "justrl": {"token_rule": "all"},
     # DAPO without dynamic sampling, as the paper would run it (not in its tables)
     "dapo": dict(_DAPO_BASE),
 }
 
 # preset -> {dotted train-config key: value} of its sources outside the algo section.
 OUTSIDE_ALGO_SETTINGS: dict[str, dict[str, object]] = {
-    # thunlp/JustRL train/examples/justrl/run_scaling_ssh_distill.sh: actor.optim.weight_decay=0.1
-    "justrl": {"optim.weight_decay": 0.1},
-    # zhouxiangxin1998/Beyond-the-80-20-Rule-RLVR recipe/rlvr_with_high_entropy_tokens_only/
-    # run_only_top20_high_entropy_tokens_dapo_qwen3_14b.sh: actor.optim.weight_decay=0.1
-    "entropy20": {"optim.weight_decay": 0.1},
-    "entropy20_dynamic_sampling": {"optim.weight_decay": 0.1},
-    # veRL recipe/dapo/run_dapo_qwen2.5_32b.sh: actor.optim.weight_decay=0.1
-    "dapo": {"optim.weight_decay": 0.1},
-    "dapo_dynamic_sampling": {"optim.weight_decay": 0.1},
+    # JustRL's weight decay 0.1 (thunlp/JustRL train/examples/justrl/run_scaling_ssh_distill.sh:
+    # actor.optim.weight_decay=0.1) is the paper configs' own, as are 20-Entropy's
+    # (run_only_top20_high_entropy_tokens_dapo_qwen3_14b.sh) and DAPO's (veRL recipe/dapo/
+    # run_dapo_qwen2.5_32b.sh), all 0.1.
     # PRIME-RL/Entropy-Mechanism-of-RL recipe/dapo/7b_clip_cov.sh, 7b_kl_cov.sh: weight_decay=0,
     # warmup_style=constant with no warm-up steps (its lr, 5e-7 for 7B, is in the presets' comments)
     "clip_cov": {"optim.weight_decay": 0.0, "optim.warmup_steps": 0},

@@ -93,9 +93,10 @@ class AlgoConfig:
     )
     eps_high: float = option(0.28, "Clip range above (clip-higher): the ratio is clipped at 1 + eps_high.", ge=0)
     clip_ratio_c: float = option(
-        3.0,
-        "Dual-clip (Ye et al. 2020; veRL's actor.clip_ratio_c, default 3.0): for A < 0 a token's "
-        "surrogate loss is capped at -A * clip_ratio_c, so a huge ratio on a bad token cannot dominate.",
+        10.0,
+        "Dual-clip (Ye et al. 2020; veRL's actor.clip_ratio_c): for A < 0 a token's surrogate loss is capped "
+        "at -A * clip_ratio_c, so a huge ratio on a bad token cannot dominate. 10: JustRL's script, whose "
+        "setting the STAPO paper trains under (veRL's own default is 3.0).",
         gt=1,
     )
     log_ratio_clamp: float = option(
@@ -165,10 +166,11 @@ class AlgoConfig:
     )
     advantage_eps: float = option(1e-6, "Added to the group's std before dividing.", gt=0, le=1)
     reward_scale: Literal["binary", "signed"] = option(
-        "binary",
-        "Correctness reward: binary gives 1 / 0 (the STAPO paper's R in {0, 1}); signed gives +1 / -1, "
-        "the scale of DAPO's verifier (verl utils/reward_score/math_dapo.py), on which DAPO's overlong "
-        "penalty in [-1, 0] is defined.",
+        "signed",
+        "Correctness reward: signed gives +1 / -1, the scale of DAPO's verifier (verl "
+        "utils/reward_score/math_dapo.py) that JustRL's script (the STAPO paper's setting) scores with, "
+        "on which DAPO's overlong penalty in [-1, 0] is defined; binary gives 1 / 0 (the paper writes R "
+        "in {0, 1}). With std-normalized advantages both give the same advantages.",
     )
     dynamic_sampling: bool = option(
         False, "Drop groups whose rewards are all equal and sample more prompts in their place (DAPO)."

@@ -112,12 +112,12 @@ def test_the_minibatches_must_divide_the_prompts_of_a_step(tmp_path):
         ),
         ("run.seed=3", "the study sets run.seed for every run; use --seeds"),
         ("algo.q=0.5", "the study sets algo.q for every run; use --methods (a method such as stapo:q=0.5)"),
-        ("optim.weight_decay=0", "the justrl runs set optim.weight_decay themselves"),
+        ("optim.weight_decay=0.1", "the clip_cov runs set optim.weight_decay themselves"),
     ],
 )
 def test_an_override_of_what_the_study_or_a_method_sets_is_refused(tmp_path, override, message):
     with pytest.raises(ConfigError, match="^" + re.escape(f"{override}: {message}")):
-        Study(tmp_path, methods=parse_methods("justrl,stapo"), overrides=(override,))
+        Study(tmp_path, methods=parse_methods("justrl,stapo,clip_cov"), overrides=(override,))
 
 
 def test_seeds():

@@ -62,12 +62,14 @@ def test_presets_differ_only_where_documented():
         "clip_ratio_c",
         "kl_coef",
         "aggregation",
+        "reward_scale",  # DeepSeekMath's 1 / 0 reward
     }
     g = p["grpo"]
     assert (g.token_rule, g.eps_low, g.eps_high, g.kl_coef, g.kl_estimator) == ("all", 0.2, 0.2, 0.04, "k3")
     assert g.aggregation == "seq_mean_token_mean" and g.clip_ratio_c > math.exp(g.log_ratio_clamp)
-    # JustRL's script: STAPO's clip-higher objective without S2T, dual-clip 10 and DAPO's +-1 verifier
-    assert _differences(p["stapo"], p["justrl"]) == {"name", "token_rule", "reward_scale", "clip_ratio_c"}
+    # STAPO = JustRL's setting + S2T: the presets differ in the token rule alone (the rule's own fields,
+    # tau_p, q, population, scope, are equal and act only in S2T)
+    assert _differences(p["stapo"], p["justrl"]) == {"name", "token_rule"}
     assert (p["justrl"].reward_scale, p["justrl"].clip_ratio_c) == ("signed", 10.0)
     # DAPO as the STAPO paper runs baselines (no dynamic sampling) = JustRL's base + overlong shaping
     assert _differences(p["justrl"], p["dapo"]) == {"name", "overlong_shaping"}

@@ -31,7 +31,7 @@ ADVANTAGES = (1.3, -0.7, 0.6, -1.2, 0.9, -0.4)
 PADDING = 3  # the last sequence's last tokens are padding
 MICRO_BATCHES = ((0, 3), (3, 6))  # rows of each micro-batch
 # S2T with a tau_p at which this vocabulary has rare sampled tokens; the default q 0.75
-CFG = AlgoConfig(tau_p=0.15)
+CFG = AlgoConfig(tau_p=0.15, clip_ratio_c=3.0)  # veRL's dual-clip: these samples reach it
 MODES = ("none", "tis_token", "mis_token", "tis_seq", "mis_seq")
 RTOL = 1e-5  # fp32 arithmetic in the loss (module docstring)
 

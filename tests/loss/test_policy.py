@@ -144,14 +144,15 @@ def test_dual_clip_caps_negative_advantage_tokens():
     ratios = torch.tensor([[5.0, 2.0, 5.0]], dtype=torch.float64)
     logprob = ratios.log().requires_grad_()
     adv = torch.tensor([[-1.0, -1.0, 2.0]], dtype=torch.float64)
-    loss_sum, n, metrics = loss_of(logprob, torch.zeros(1, 3, dtype=torch.float64), adv, torch.ones(1, 3))
+    zeros = torch.zeros(1, 3, dtype=torch.float64)
+    loss_sum, n, metrics = loss_of(logprob, zeros, adv, torch.ones(1, 3), clip_ratio_c=3.0)  # veRL's default
     # -min(rA, clip(r)A) = 5, 2, -2.56; dual-clip: min(5, 3 * 1) = 3
     assert math.isclose(loss_sum.item(), 3.0 + 2.0 - 2.56, rel_tol=1e-6)
     loss_sum.backward()
     g = logprob.grad[0].tolist()
     assert g[0] == 0.0 and math.isclose(g[1], 2.0, rel_tol=1e-6) and g[2] == 0.0  # d(-A r)/dlogp = -A r
     assert int(metrics["dual_clip_tokens"]) == 1 and int(metrics["clip_low_tokens"]) == 0
-    wider, _, wider_metrics = loss_of(logprob, torch.zeros(1, 3), adv, torch.ones(1, 3), clip_ratio_c=10.0)
+    wider, _, wider_metrics = loss_of(logprob, torch.zeros(1, 3), adv, torch.ones(1, 3))  # the default, JustRL's 10
     assert math.isclose(wider.item(), 5.0 + 2.0 - 2.56, rel_tol=1e-6) and int(wider_metrics["dual_clip_tokens"]) == 0
     with pytest.raises(ValueError, match="^clip_ratio_c: must be > 1"):
         loss_of(logprob, torch.zeros(1, 3), adv, torch.ones(1, 3), clip_ratio_c=1.0)
@@ -159,12 +160,12 @@ def test_dual_clip_caps_negative_advantage_tokens():
 
 def test_log_ratio_clamp_keeps_a_runaway_ratio_finite():
     # log(pi / pi_old) = 100 overflows exp in fp32: without the clamp the loss is inf and the
-    # gradient nan (0 * inf through exp's backward); clamped at 20, the dual-clip holds it at 3.
+    # gradient nan (0 * inf through exp's backward); clamped at 20, the dual-clip holds it at 10.
     logprob = torch.tensor([[100.0, -1.0]], requires_grad=True)
     old = torch.tensor([[0.0, -1.0]])
     loss_sum, _, metrics = loss_of(logprob, old, torch.tensor([-1.0]), torch.ones(1, 2))
     loss_sum.backward()
-    assert math.isclose(loss_sum.item(), 3.0 + 1.0, rel_tol=1e-6)
+    assert math.isclose(loss_sum.item(), 10.0 + 1.0, rel_tol=1e-6)
     assert torch.isfinite(logprob.grad).all() and logprob.grad[0, 0] == 0.0
     assert math.isclose(float(metrics["ratio_max"]), math.exp(20.0), rel_tol=1e-6)
     assert math.isclose(float(metrics["approx_kl_sum"]), math.exp(20.0) - 21.0, rel_tol=1e-6)
