@@ -157,13 +157,8 @@ def default_stop_token_ids(tokenizer: Any, chat_template: bool) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def response_text(tokenizer: Any, token_ids: Sequence[int], finish_reason: str) -> str:
-    """The text a response is scored on: its final stop token removed, every other token kept.
-
-    Special tokens inside a response stay in the text (skipping them would let a policy pad a
-    right answer with them and still be scored right).
-    """
-    ids = list(token_ids)
-    if finish_reason == "stop" and ids and ids[-1] in set(getattr(tokenizer, "all_special_ids", ())):
-        ids.pop()
-    return tokenizer.decode(ids, skip_special_tokens=False)
+def response_text(tokenizer: Any, token_ids: Sequence[int]) -> str:
+    """The text a response is scored on (every reward kind, training and evaluation): decoded without
+    special tokens, as verl decodes a response before its reward sees it (a special token kept in the
+    text would, e.g., move the 100-character window of DAPO's strict-box check)."""
+    return tokenizer.decode(list(token_ids), skip_special_tokens=True)

@@ -335,7 +335,7 @@ class EvalRun:
                     if len(completions) != len(group) or any(len(c) != task.k for c in completions):
                         raise RuntimeError(f"{task.name}: the engine returned the wrong number of completions")
                     chosen = [(i, sample, completions[i - group.start][sample]) for i, sample in missing]
-                    texts = [response_text(tokenizer, c.token_ids, c.finish_reason) for _, _, c in chosen]
+                    texts = [response_text(tokenizer, c.token_ids) for _, _, c in chosen]
                     if pool is None:
                         pool = RewardPool.from_config(reward_cfg)
                     scores = pool.score(
@@ -435,7 +435,7 @@ class EvalRun:
                     row = self.records[key]
                     if fit:
                         completion = next(answers)[0]
-                        output = response_text(verifier.tokenizer, completion.token_ids, completion.finish_reason)
+                        output = response_text(verifier.tokenizer, completion.token_ids)
                         status = parse_verdict(output)
                     else:
                         output, status = "", "too_long"

@@ -116,7 +116,7 @@ class RolloutCollector:
             rounds += 1
             flat = [(p, c) for p, group in zip(prompts, completions) for c in group]
             with timer("reward"):
-                texts = [response_text(self.tokenizer, c.token_ids, c.finish_reason) for _, c in flat]
+                texts = [response_text(self.tokenizer, c.token_ids) for _, c in flat]
                 results = self.reward_pool.score(
                     texts, [p.record.answer for p, _ in flat], [p.record.extra for p, _ in flat]
                 )

@@ -231,7 +231,7 @@ class SamplePool:
         for group, prompt in zip(fresh, prompts):
             for sample in group.samples:
                 assert sample.finish_reason is not None  # the group has finished
-                texts.append(response_text(c.tokenizer, sample.token_ids, sample.finish_reason))
+                texts.append(response_text(c.tokenizer, sample.token_ids))
                 answers.append(prompt.record.answer)
                 extras.append(prompt.record.extra)
         results = c.reward_pool.score(texts, answers, extras)

@@ -114,14 +114,14 @@ def test_synthetic_task_through_the_same_record_type():
     # the free words after it decide nothing; anything else after it makes it wrong.
     five, eos = tok.convert_tokens_to_ids("5"), tok.eos_token_id
     free = tok.convert_tokens_to_ids(["w17", "w203"])
-    text = response_text(tok, [five, *free, eos], "stop")
+    text = response_text(tok, [five, *free, eos])
     assert text == "5 w17 w203"
     pool = RewardPool(kind="free_words")
     responses = [
         text,
-        response_text(tok, [*free, five], "length"),
-        response_text(tok, [five - 1, *free], "length"),
-        response_text(tok, [five, five], "length"),
+        response_text(tok, [*free, five]),
+        response_text(tok, [five - 1, *free]),
+        response_text(tok, [five, five]),
     ]
     results = pool.score(responses, [item.record.answer] * 4)
     assert [(r.reward, r.extracted) for r in results] == [(1.0, "5"), (0.0, None), (0.0, "4"), (0.0, None)]
