@@ -14,6 +14,9 @@ PROMPT_TEMPLATES: dict[str, str] = {
     # The STAPO paper's instruction: step-by-step reasoning, final answer in \boxed{}.
     "stapo": "{problem}\nPlease reason step by step, and put your final answer within \\boxed{}.",
     "raw": "{problem}",
+    # JustRL's evaluation prompt (thunlp/JustRL evals: the problem, a space, the same instruction),
+    # which it sends through the chat template
+    "justrl": "{problem} Please reason step by step, and put your final answer within \\boxed{}.",
 }
 
 
@@ -41,11 +44,13 @@ class DataConfig:
     )
     prompt_template: str = option(
         "auto",
-        "stapo (the paper's step-by-step instruction), raw (the problem alone), or a custom text containing "
-        "{problem}; auto: stapo, raw for the synthetic task",
+        "stapo (the paper's step-by-step instruction), justrl (JustRL's evaluation prompt), raw (the problem "
+        "alone), or a custom text containing {problem}; auto: stapo, raw for the synthetic task",
     )
     chat_template: bool = option(
-        False, "wrap the prompt in the tokenizer's chat template as one user turn, with the generation prompt"
+        False,
+        "wrap the prompt in the tokenizer's chat template as one user turn, with the generation prompt, as verl "
+        "builds prompts of chat-form rows (the paper configs: true for DAPO-Math-17k); false for plain-text data",
     )
     chat_template_kwargs: dict = option({}, "extra arguments of apply_chat_template, e.g. {enable_thinking: false}")
     max_prompt_tokens: int = option(

@@ -105,8 +105,16 @@ class EvalCommandConfig:
         "", "Where a Megatron checkpoint is exported, kept and reused ('': a temporary directory)."
     )
     device: str = option("", "Device of the local engine ('': cuda when available, else cpu).")
-    template: str = option("stapo", "Prompt template: stapo, raw, or a text containing {problem}.")
-    chat_template: bool = option(False, "Wrap the prompt in the tokenizer's chat template.")
+    template: str = option(
+        "justrl",
+        "Prompt template: justrl (JustRL's evaluation prompt, '{problem} Please reason ...'), stapo (the training "
+        "prompt, '{problem}\\nPlease reason ...'), raw, or a text containing {problem}.",
+    )
+    chat_template: bool | None = option(
+        None,
+        "Wrap the prompt in the tokenizer's chat template, as JustRL's evaluation does (default: when the "
+        "tokenizer has one; false: the plain prompt).",
+    )
     chat_template_kwargs: dict = option({}, "Mapping passed to apply_chat_template, e.g. {enable_thinking: false}.")
     overwrite: bool = option(
         False,

@@ -110,7 +110,8 @@ def check_inputs(cfg: EvalCommandConfig, names: FieldNames) -> EvalInputs:
         else None
     )
     try:
-        encoder = PromptEncoder(tokenizer, cfg.template, cfg.chat_template, cfg.chat_template_kwargs)
+        chat = bool(getattr(tokenizer, "chat_template", None)) if cfg.chat_template is None else cfg.chat_template
+        encoder = PromptEncoder(tokenizer, cfg.template, chat, cfg.chat_template_kwargs)
     except ValueError as err:
         raise ConfigError(f"{names.name('chat_template')}: {err}") from None
     try:
@@ -144,7 +145,7 @@ def evaluate(cfg: EvalCommandConfig, names: FieldNames) -> None:
             temperature=temperature,
             top_p=top_p,
             max_new_tokens=cfg.eval.max_new_tokens,
-            stop_token_ids=tuple(default_stop_token_ids(inputs.tokenizer, cfg.chat_template)),
+            stop_token_ids=tuple(default_stop_token_ids(inputs.tokenizer, inputs.encoder.chat_template)),
             seed=cfg.eval.seed,
             problems_per_call=cfg.eval.problems_per_call or default_problems_per_call(rollout_cfg.engine),
         )

@@ -3,6 +3,7 @@
 import pytest
 
 from stapo_megatron.config import ConfigError, build
+from stapo_megatron.config.core import field_default
 from stapo_megatron.data import (
     DataConfig,
     DataError,
@@ -45,6 +46,21 @@ def test_qwen3_prompts_with_and_without_the_chat_template(qwen3_tokenizer):
     no_think = PromptEncoder(tok, "stapo", chat_template=True, chat_template_kwargs={"enable_thinking": False})
     assert no_think.text(RECORD).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert chat.encode_many([RECORD, RECORD]) == [ids, ids]
+    # JustRL's evaluation prompt (stapo eval's default, through the chat template): a space, not a newline
+    justrl = PromptEncoder(tok, "justrl", chat_template=True)
+    assert justrl.text(RECORD) == (
+        f"<|im_start|>user\n{RECORD.problem} {STAPO_SUFFIX.lstrip()}<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_stapo_eval_prompts_as_justrl_evaluates_by_default_and_the_training_form_on_request():
+    from stapo_megatron.eval.config import EvalCommandConfig
+
+    template, chat = (field_default(EvalCommandConfig, name) for name in ("template", "chat_template"))
+    assert (template, chat) == ("justrl", None)  # None: the chat template when the tokenizer has one
+    instruction = "Please reason step by step, and put your final answer within \\boxed{}."
+    assert render_prompt("Q?", template) == f"Q? {instruction}"
+    assert render_prompt("Q?", "stapo") == f"Q?\n{instruction}"  # --template stapo: the training prompt
 
 
 def test_qwen3_prompt_dataset_from_a_benchmark_file(qwen3_tokenizer, data_dir):

@@ -189,7 +189,8 @@ def test_evaluation_inside_training(cli_run, tiny_model, qwen3_tokenizer, eval_d
         engine,
         qwen3_tokenizer,
         eval_cfg,
-        DataConfig(source="train.parquet"),
+        # stapo eval's default prompt (JustRL's, in the chat template), so the two sample alike
+        DataConfig(source="train.parquet", prompt_template="justrl", chat_template=True),
         RewardConfig(kind="exact", num_workers=1),
         default_max_new_tokens=4,
     )
