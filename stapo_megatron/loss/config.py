@@ -11,7 +11,7 @@ from typing import Literal
 
 from stapo_megatron.config.core import MAX_TOKENS, ConfigError, option
 from stapo_megatron.loss.objectives import OBJECTIVES
-from stapo_megatron.loss.token_rules import TOKEN_RULES, get_token_rule
+from stapo_megatron.loss.token_rules import BUDGETED_ABLATIONS, TOKEN_RULES, get_token_rule
 
 
 @dataclasses.dataclass
@@ -47,6 +47,14 @@ class AlgoConfig:
     )
     population: Literal["candidates", "all_response_tokens"] = option(
         "candidates", "S2T: tokens the entropy quantile is taken over."
+    )
+    budget: Literal["same_as_s2t", "complement"] = option(
+        "same_as_s2t",
+        "The masking ablations s2t_high_entropy and s2t_random: same_as_s2t silences floor(q * #candidates) "
+        "candidates, as many as S2T (the strategies compared at equal silencing, the default); complement "
+        "silences the rest, #candidates - floor(q * #candidates) (for s2t_high_entropy: H >= S2T's tau_h(q), "
+        "the reading of the paper's 'decreasing q leads to rapid degradation for high-entropy masking'). "
+        "The paper does not settle which it ran.",
     )
     scope: Literal["mini_batch", "micro_batch"] = option(
         "mini_batch",
@@ -213,6 +221,11 @@ class AlgoConfig:
         rule_error = get_token_rule(self.token_rule).config_error(self)
         if rule_error is not None:
             raise ConfigError(rule_error)
+        if self.budget != "same_as_s2t" and self.token_rule not in BUDGETED_ABLATIONS:
+            raise ConfigError(
+                f"budget: {self.budget} is for the masking ablations ({', '.join(BUDGETED_ABLATIONS)}), "
+                f"not token_rule {self.token_rule}"
+            )
         if self.objective not in OBJECTIVES:
             raise ConfigError(
                 f"objective: unknown objective '{self.objective}' (known: {', '.join(sorted(OBJECTIVES))})"

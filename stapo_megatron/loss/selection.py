@@ -90,5 +90,5 @@ def select_tokens(cfg, stats: TokenStats, threshold: torch.Tensor | None = None)
             "minibatch_threshold() over the whole mini-batch"
         )
     return Selection(
-        rule.keep(stats, cfg, threshold), rule.candidates(stats, cfg), threshold, rule.entropy_threshold(threshold)
+        rule.keep(stats, cfg, threshold), rule.candidates(stats, cfg), threshold, rule.entropy_threshold(threshold, cfg)
     )

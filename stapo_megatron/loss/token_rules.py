@@ -16,8 +16,10 @@ STAPO paper's masking-strategy ablations (v1, Masking Strategy Ablation), which 
 candidates C = {A > 0, p < tau_p}:
 
 - ``s2t_high_entropy``: silence the floor(q |C|) candidates of HIGHEST entropy (S2T silences the
-  lowest), the same budget as S2T;
-- ``s2t_random``: silence floor(q |C|) candidates drawn at random, the same budget: each token's
+  lowest), the same budget as S2T; with ``budget: complement``, the |C| - floor(q |C|) candidates
+  S2T keeps instead (H >= S2T's tau_h(q)), the other reading of the paper;
+- ``s2t_random``: silence floor(q |C|) candidates drawn at random (with ``budget: complement``,
+  |C| - floor(q |C|) of them), the same budget: each token's
   score is a keyed permutation of (its sequence's index in the rollout step, its position in the
   sequence), keyed by (run seed, step) (:func:`random_token_scores`); the candidates of lowest
   score are silenced. The score reads no packing, micro-batch or data-parallel layout and is the
@@ -239,7 +241,7 @@ class TokenRule:
         threshold never reads them: then such sequences can be left out of every pass."""
         return True
 
-    def entropy_threshold(self, threshold: torch.Tensor | None) -> torch.Tensor | None:
+    def entropy_threshold(self, threshold: torch.Tensor | None, cfg) -> torch.Tensor | None:
         """The entropy cut that ``threshold`` amounts to, for the ``s2t/tau_h`` metric (None: the
         rule's threshold is not one entropy)."""
         return None
@@ -275,7 +277,7 @@ class S2TRule(TokenRule):
         # candidates need A > 0; the all_response_tokens population reads every token's entropy
         return cfg.tau_h is not None or cfg.population == "candidates"
 
-    def entropy_threshold(self, threshold):
+    def entropy_threshold(self, threshold, cfg):
         return threshold
 
 
@@ -300,7 +302,7 @@ class HighEntropyRule(TokenRule):
     def ignores_zero_advantage(self, cfg) -> bool:
         return False  # every response token is in the quantile and may be dropped by it
 
-    def entropy_threshold(self, threshold):
+    def entropy_threshold(self, threshold, cfg):
         return threshold
 
 
@@ -323,11 +325,17 @@ class _S2TCandidatesAblation(TokenRule):
 
 class _CandidateBudgetRule(_S2TCandidatesAblation, abc.ABC):
     """Silence the floor(q * #candidates) candidates of lowest ``score`` over the threshold scope,
-    S2T's budget (exact with distinct scores; a tie at the cut is kept, as in S2T)."""
+    S2T's budget (exact with distinct scores; a tie at the cut is kept, as in S2T); with ``budget:
+    complement`` the others: the q-cut is taken on the reversed score, and what falls below it is
+    kept."""
 
     @abc.abstractmethod
     def score(self, stats: TokenStats, candidates: torch.Tensor) -> torch.Tensor:
         """Per-token scores of one micro-batch (read on ``candidates`` only)."""
+
+    def _cut_score(self, stats: TokenStats, candidates: torch.Tensor, cfg) -> torch.Tensor:
+        score = self.score(stats, candidates)
+        return score if cfg.budget == "same_as_s2t" else -score
 
     def uses_threshold(self, cfg) -> bool:
         return True
@@ -336,7 +344,7 @@ class _CandidateBudgetRule(_S2TCandidatesAblation, abc.ABC):
         chosen = []
         for s in stats_list:
             members = _stats_candidates(s, cfg)
-            chosen.append(self.score(s, members)[members])
+            chosen.append(self._cut_score(s, members, cfg)[members])
         return quantile_threshold(chosen, cfg.q, group)
 
     def keep(self, stats, cfg, threshold):
@@ -344,7 +352,8 @@ class _CandidateBudgetRule(_S2TCandidatesAblation, abc.ABC):
             raise ValueError(f"threshold: the {self.name} rule needs its score cut (from threshold())")
         members = _stats_candidates(stats, cfg)
         # compare in the quantile's dtype, so the count is the quantile's exactly
-        silenced = members & (self.score(stats, members).to(threshold.dtype) < threshold)
+        below = self._cut_score(stats, members, cfg).to(threshold.dtype) < threshold
+        silenced = members & (below if cfg.budget == "same_as_s2t" else ~below)
         return (_real(stats.response_mask) & ~silenced).to(torch.float32)
 
 
@@ -356,8 +365,11 @@ class S2THighEntropyRule(_CandidateBudgetRule):
     def score(self, stats, candidates):
         return -stats.entropy.to(torch.float32)  # lowest score = highest entropy
 
-    def entropy_threshold(self, threshold):
-        return None if threshold is None else -threshold  # candidates with H above it are silenced
+    def entropy_threshold(self, threshold, cfg):
+        # candidates with H above it are silenced (complement: the cut is on H itself, S2T's tau_h)
+        if threshold is None:
+            return None
+        return -threshold if cfg.budget == "same_as_s2t" else threshold
 
 
 class S2TRandomRule(_CandidateBudgetRule):
@@ -379,6 +391,7 @@ class LowProbAllRule(_S2TCandidatesAblation):
 
 
 TOKEN_RULES: dict[str, TokenRule] = {}
+BUDGETED_ABLATIONS = ("s2t_high_entropy", "s2t_random")  # the rules algo.budget acts on
 
 
 def register_token_rule(rule: TokenRule) -> TokenRule:

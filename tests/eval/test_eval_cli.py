@@ -37,7 +37,8 @@ def error_line(capsys, args) -> str:
         (["--problems-per-call", "-2"], "--problems-per-call: must be >= 0, got -2"),
         (
             ["--template", "nope"],
-            "--template: prompt template 'nope' is not known and does not contain {problem} (known: stapo, raw, justrl)",
+            "--template: prompt template 'nope' is not known and does not contain {problem} "
+            "(known: stapo, raw, justrl)",
         ),
         (
             ["--chat-template-kwargs", "[1, 2]"],

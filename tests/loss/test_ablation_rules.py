@@ -107,6 +107,31 @@ def test_high_entropy_silences_the_top_and_s2t_the_bottom_of_the_same_budget(ste
         assert float(off_high.min()) > float(sel.tau_h) >= float(kept_high.max())
 
 
+@pytest.mark.parametrize("q", [0.0, 0.29, 0.5, 0.75, 1.0])
+def test_the_complement_budget_silences_what_s2t_keeps_of_its_candidates(step, q):
+    """budget complement: s2t_high_entropy silences exactly the candidates S2T keeps (H >= tau_h(q)),
+    |C| - floor(q |C|) of them, and s2t_random that many at random; same_as_s2t stays S2T's budget."""
+    micro = step["packed"]
+    cand = [s2t_candidates(s.logprob, s.advantages, s.response_mask, TAU_P) for s in micro]
+    s2t = rule_keeps(_cfg("s2t", q=q), micro)
+    high = rule_keeps(_cfg("s2t_high_entropy", q=q, budget="complement"), micro)
+    for s, c, k_s2t, k_high in zip(micro, cand, s2t, high, strict=True):
+        real = s.response_mask != 0
+        assert torch.equal(k_high[c] == 0, k_s2t[c] == 1)  # silenced = what S2T keeps, candidate by candidate
+        assert torch.all(k_high[real & ~c] == 1) and torch.all(k_high[~real] == 0)
+    candidates = candidate_count(_cfg("s2t", q=q), micro)
+    complement = candidates - math.floor(Fraction(repr(q)) * candidates)
+    for rule in ("s2t_high_entropy", "s2t_random"):
+        keeps = rule_keeps(_cfg(rule, q=q, budget="complement"), micro)
+        silenced = sum(int(((s.response_mask != 0) & (k == 0)).sum()) for s, k in zip(micro, keeps))
+        assert silenced == complement, (rule, q)
+    # the metric's entropy cut is S2T's own threshold then: silenced at or above it
+    threshold = minibatch_threshold(_cfg("s2t_high_entropy", q=q, budget="complement"), micro)
+    sel = select_tokens(_cfg("s2t_high_entropy", q=q, budget="complement"), micro[0], threshold)
+    if sel.tau_h is not None and 0 < q < 1:
+        assert float(sel.tau_h) == float(minibatch_threshold(_cfg("s2t", q=q), micro))
+
+
 def test_rule_properties_and_metrics_threshold(step):
     assert set(TOKEN_RULES) >= {"all", "s2t", "high_entropy", "stare", *ABLATIONS}
     micro = step["packed"]
@@ -265,6 +290,11 @@ def test_random_rule_needs_each_tokens_identity(step):
             r"^algo.population: the lowprob_all rule acts on S2T's candidates only",
         ),
         ({"token_rule": "s2t_random", "population": "all_response_tokens"}, r"^algo.population: the s2t_random rule"),
+        (
+            {"token_rule": "s2t", "budget": "complement"},
+            r"^algo.budget: complement is for the masking ablations \(s2t_high_entropy, s2t_random\), not token_rule "
+            "s2t$",
+        ),
     ],
 )
 def test_ablation_config_checks(override, match):
