@@ -128,10 +128,13 @@ class AlgoConfig:
         "DeepSeekMath's; without veRL's [-10, 10] clamp of the value). Read only when kl_coef > 0.",
     )
     entropy_coef: float = option(0.0, "Weight of the entropy bonus (0: entropy carries no gradient).", ge=0)
-    aggregation: Literal["token_mean", "seq_mean_token_mean"] = option(
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "microbatch_token_mean"] = option(
         "token_mean",
-        "token_mean: loss summed over kept tokens / kept tokens of the whole mini-batch; "
-        "seq_mean_token_mean: each sequence's token mean, averaged over sequences.",
+        "token_mean: loss summed over kept tokens / kept tokens of the whole mini-batch (the STAPO paper's "
+        "equation); seq_mean_token_mean: each sequence's token mean, averaged over sequences; "
+        "microbatch_token_mean: each micro-batch's token mean weighted by its sequence count, as the verl "
+        "version the paper ran (it depends on batch.max_tokens_per_microbatch's packing, and no "
+        "zero-advantage sequence is left out).",
     )
     # --- policy objective (loss.objectives) ---
     objective: str = option(

@@ -30,6 +30,11 @@ Over the active tokens K = {t : I_t > 0 and a_t = 1} of the whole optimizer mini
 
     token_mean:           L = sum_{t in K} I_t l_t / |K|
     seq_mean_token_mean:  L = sum_i (sum_{t in K_i} I_t l_t / |K_i|) / #{i : K_i not empty}
+    microbatch_token_mean: L = sum_m (n_m / N) (sum_{t in K_m} I_t l_t / |K_m|)
+                           over micro-batches m of n_m sequences (N in all): a token mean per
+                           micro-batch, weighted by its sequence count, as the verl version the STAPO
+                           paper ran (JustRL's dp_actor.py); it depends on how sequences share
+                           micro-batches, and weights a token of a short response's micro-batch more
 
 so grad L = sum_{t in K} I_t rho_t grad pg_t / |K| (token_mean, no KL or entropy term): the ratio
 is clipped against pi_prox, the importance weight corrects the samples from mu to pi_prox, and
@@ -43,7 +48,7 @@ and called per micro-batch with its :class:`LossInputs`. ``token_mean`` returns
 (sum_t I_t l_t, #{t in K}); Megatron's ``calculate_per_token_loss`` sums both over micro-batches
 and data-parallel ranks and divides, which gives STAPO's renormalization over the surviving tokens
 of the whole mini-batch. ``seq_mean_token_mean`` returns (sum over sequences of their token mean,
-#sequences with a kept token).
+#sequences with a kept token); ``microbatch_token_mean`` (n_m x the micro-batch's token mean, n_m).
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ from stapo_megatron.loss.rollout_correction import ROLLOUT_CORRECTIONS, sequence
 from stapo_megatron.loss.rollout_correction import rollout_correction as correction_for
 from stapo_megatron.loss.token_rules import broadcast_advantages
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "microbatch_token_mean")
 
 
 def k3(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -251,6 +256,9 @@ class PolicyLoss:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.algo.aggregation == "token_mean":
             return weighted.sum(), active.sum().to(torch.int32)
+        if self.algo.aggregation == "microbatch_token_mean":
+            sequences = _sequence_count(x)
+            return weighted.sum() / active.sum().clamp(min=1) * sequences, sequences
         if x.segment_ids is not None:
             per_seq_count = sequence_sums(active.to(torch.float32), x.segment_ids)
             loss_sum = (sequence_sums(weighted, x.segment_ids) / per_seq_count.clamp(min=1)).sum()
@@ -259,3 +267,13 @@ class PolicyLoss:
         seq_has_tokens = per_seq_count > 0
         loss_sum = (weighted.sum(-1) / per_seq_count.clamp(min=1)).sum()
         return loss_sum, seq_has_tokens.sum().to(torch.int32)
+
+
+def _sequence_count(x: LossInputs) -> torch.Tensor:
+    """The micro-batch's sequences (those with a response token), an int32 scalar."""
+    real = x.keep > 0 if x.response_mask is None else x.response_mask != 0
+    if x.segment_ids is not None:
+        return (sequence_sums(real.to(torch.float32), x.segment_ids) > 0).sum().to(torch.int32)
+    if real.dim() == 1:
+        return real.any().to(torch.int32)  # one unpacked sequence
+    return real.any(-1).sum().to(torch.int32)

@@ -60,6 +60,8 @@ def zero_advantage_skippable(cfg) -> bool:
         and not cfg.rollout_correction.startswith("mis")
         and get_token_rule(cfg.token_rule).ignores_zero_advantage(cfg)
         and not get_objective(cfg.objective).reads_zero_advantage
+        # a left-out sequence would change the token mean of the micro-batch it shares
+        and cfg.aggregation != "microbatch_token_mean"
     )
 
 

@@ -74,6 +74,54 @@ def test_seq_mean_token_mean():
         loss_of(logprob.view(-1), torch.zeros(12), torch.ones(12), keep.view(-1), aggregation="seq_mean_token_mean")
 
 
+# Four responses of different lengths (all tokens kept, ratio 1: each token's loss is -A)
+LENGTHS, ADVANTAGES = (2, 6, 3, 5), (1.0, -0.5, 2.0, 0.25)
+
+
+def _minibatch_loss(aggregation: str, packing: list[list[int]], packed: bool) -> float:
+    """The mini-batch's loss as the trainer forms it: sum of loss_sum / sum of num_tokens over the
+    micro-batches of ``packing`` (sequence indices), each padded rows or one packed row."""
+    total, count = 0.0, 0
+    for members in packing:
+        if packed:  # one row, the sequences back to back (segment_ids)
+            segments = torch.tensor([k for k, i in enumerate(members) for _ in range(LENGTHS[i])])
+            keep = torch.ones(len(segments))
+            adv = torch.tensor([ADVANTAGES[members[k]] for k in segments.tolist()], dtype=torch.float64)
+            extra = {"segment_ids": segments}
+        else:
+            width = max(LENGTHS[i] for i in members)
+            keep = torch.tensor([[1.0] * LENGTHS[i] + [0.0] * (width - LENGTHS[i]) for i in members])
+            adv = torch.tensor([ADVANTAGES[i] for i in members], dtype=torch.float64)
+            extra = {}
+        logprob = torch.zeros(keep.shape, dtype=torch.float64)
+        loss_sum, n, _ = loss_of(logprob, logprob, adv, keep, aggregation=aggregation, response_mask=keep, **extra)
+        total, count = total + loss_sum.item(), count + int(n)
+    return total / count
+
+
+def test_microbatch_token_mean_is_verls_weighting_and_moves_with_the_packing():
+    """fp64 references: the exact token mean of the mini-batch (the paper's equation) whatever the
+    packing; verl's per-micro-batch token mean weighted by sequence count, which moves with it."""
+    lengths, adv = LENGTHS, ADVANTAGES
+    exact = sum(-a * n for a, n in zip(adv, lengths)) / sum(lengths)
+
+    def verl(packing):
+        means = [sum(-adv[i] * lengths[i] for i in mb) / sum(lengths[i] for i in mb) for mb in packing]
+        return sum(len(mb) / len(lengths) * mean for mb, mean in zip(packing, means))
+
+    by_length, mixed, whole = [[0, 2], [1, 3]], [[0, 1], [2, 3]], [[0, 1, 2, 3]]
+    for packing in (by_length, mixed, whole):
+        for packed in (False, True):
+            assert math.isclose(_minibatch_loss("token_mean", packing, packed), exact, rel_tol=1e-6)
+            got = _minibatch_loss("microbatch_token_mean", packing, packed)
+            assert math.isclose(got, verl(packing), rel_tol=1e-6), (packing, packed)
+    # where they differ: short and long responses in separate micro-batches weigh a short one's
+    # tokens more; micro-batches of equal sequence and token counts (8 tokens, 2 sequences each), or
+    # one micro-batch of everything, make verl's weighting the exact token mean
+    assert math.isclose(verl(whole), exact, rel_tol=1e-12) and math.isclose(verl(mixed), exact, rel_tol=1e-12)
+    assert abs(verl(by_length) - exact) > 0.3
+
+
 def test_kl_and_entropy_terms():
     logprob = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     ref = torch.tensor([[-1.5, -1.0]])
