@@ -68,7 +68,14 @@ def test_loss_gradient_with_the_kl_term_matches_fp64_autograd(estimator):
     coef = 0.3
     lp = lp64.float().requires_grad_()
     loss_sum, count, metrics = loss_of(
-        lp, old.float(), adv[:, 0].float(), keep.float(), ref_logprob=ref.float(), kl_coef=coef, kl_estimator=estimator
+        lp,
+        old.float(),
+        adv[:, 0].float(),
+        keep.float(),
+        ref_logprob=ref.float(),
+        kl_coef=coef,
+        kl_estimator=estimator,
+        clip_ratio_c=3.0,  # veRL's dual-clip, which these ratios reach (the reference's c)
     )
     (loss_sum / count).backward()
     x = lp.detach().double().requires_grad_()

@@ -78,8 +78,12 @@ def test_dapo_rewards_are_signed_with_the_overlong_penalty_on_top(tmp_path):
     expected = [1 / math.sqrt(2), -1 / math.sqrt(2), -1 / math.sqrt(2), 1 / math.sqrt(2)]
     torch.testing.assert_close(batch.advantages, torch.tensor(expected), atol=1e-5, rtol=0)
 
-    _, stapo_batch, _ = _collect(tmp_path, lengths, verdicts, "algo=stapo")  # the paper's R in {0, 1}
-    assert stapo_batch.rewards.tolist() == [1.0, 0.0, 0.0, 1.0]
+    # STAPO in JustRL's setting: DAPO's +-1 verifier, no overlong penalty; the paper's R in {0, 1} on request
+    _, stapo_batch, _ = _collect(tmp_path, lengths, verdicts, "algo=stapo")
+    assert stapo_batch.rewards.tolist() == [1.0, -1.0, -1.0, 1.0]
+    _, binary_batch, _ = _collect(tmp_path, lengths, verdicts, "algo=stapo", "algo.reward_scale=binary")
+    assert binary_batch.rewards.tolist() == [1.0, 0.0, 0.0, 1.0]
+    torch.testing.assert_close(binary_batch.advantages, stapo_batch.advantages)  # std-normalized: the same
 
 
 def test_the_learning_rate_schedule_counts_training_steps(tmp_path):

@@ -111,7 +111,7 @@ def test_dynamic_sampling_that_runs_out_of_rounds_keeps_what_it_has(tmp_path):
 def test_without_dynamic_sampling_one_round_keeps_every_group(tmp_path):
     batch, metrics, engine, _ = _collect(tmp_path, [[1, 1, 0, 1]], "algo=stapo", "batch.max_sampling_rounds=4")
     assert engine.calls == [(2, GROUP, step_seed(11, 3, 0))]
-    assert batch.rewards.tolist() == [1.0, 1.0, 0.0, 1.0] and batch.group_ids.tolist() == [0, 0, 1, 1]
+    assert batch.rewards.tolist() == [1.0, 1.0, -1.0, 1.0] and batch.group_ids.tolist() == [0, 0, 1, 1]
     # the all-correct group has advantage 0; the mixed one +-1/sqrt(2) (sample std of two values)
     torch.testing.assert_close(batch.advantages, torch.tensor([0, 0, -1, 1]) / math.sqrt(2), atol=1e-5, rtol=0)
     assert (metrics["rollout/sampling_rounds"], metrics["rollout/groups_kept"]) == (1, 2)
