@@ -15,6 +15,7 @@ import contextlib
 import errno
 import os
 import re
+import signal
 import stat
 from pathlib import Path
 
@@ -26,6 +27,10 @@ from stapo_megatron.config import ConfigError, to_dict
 RUN_MARKER = ".stapo_run"  # makes a directory a run directory (trainer/run_directory.py)
 RESOLVED_CONFIG = "config.yaml"  # the resolved config, for people: secrets redacted
 STOP_FILE = "STOP"  # a request to stop after the current step: a first Ctrl-C, or the requeue script's USR1 trap
+# What asks a run to stop after the current step, with a checkpoint (STOP_FILE for the ranks of a
+# launch); SIGHUP as SIGTERM, so a closed terminal or a dropped ssh session loses nothing since the
+# last checkpoint and leaves no private file behind.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 METRICS_FILE = "metrics.jsonl"  # one row per step (trainer/metrics.py)
 # The config a `stapo train` launcher hands its ranks (secrets included, 0600): made under the lock,
 # removed when the launcher ends, and by the next run when a SIGKILL left it.

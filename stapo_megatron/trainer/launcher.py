@@ -32,7 +32,7 @@ from stapo_megatron.runtime import console
 from stapo_megatron.runtime.distributed import prepare_megatron_import
 from stapo_megatron.runtime.environment import env_int, env_seconds, rank_launch_env
 from stapo_megatron.runtime.launch import kill_tree, watch_launcher
-from stapo_megatron.runtime.run_files import METRICS_FILE, RANKS_CONFIG, STOP_FILE, write_resolved_config
+from stapo_megatron.runtime.run_files import METRICS_FILE, RANKS_CONFIG, STOP_FILE, STOP_SIGNALS, write_resolved_config
 from stapo_megatron.runtime.run_lock import TOKEN_ENV, RunLock, held_with, slurm_restart_count
 from stapo_megatron.trainer.config import TrainConfig
 from stapo_megatron.trainer.run_directory import archive_run_outputs, check_run_directory, mark_run_directory
@@ -196,7 +196,8 @@ def _write_ranks_config(cfg: TrainConfig) -> Path:
 
 def launch(cfg: TrainConfig, lock: RunLock) -> int:
     """Start torchrun for ``cfg``'s world size and wait; returns its exit status. The first
-    Ctrl-C (or SIGTERM) asks the ranks to stop after the current step and checkpoint; the second
+    Ctrl-C (or SIGTERM, or SIGHUP: a closed terminal, a dropped ssh session) asks the ranks to stop
+    after the current step and checkpoint; the second
     kills them, and the status is then 128 + the signal."""
     world = cfg.parallel.world_size
     stop_file = cfg.run.directory / STOP_FILE
@@ -232,7 +233,7 @@ def launch(cfg: TrainConfig, lock: RunLock) -> int:
     try:
         process = subprocess.Popen(command, env=env, start_new_session=True)
         # Set explicitly: a shell that starts this in the background would otherwise leave SIGINT ignored.
-        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
         try:
             code = process.wait()
         finally:

@@ -14,6 +14,7 @@ from stapo_megatron.checkpoint.hf_io import HFCheckpoint
 from stapo_megatron.data.prompts import load_tokenizer
 from stapo_megatron.models.qwen3.parallelize import build_stage
 from stapo_megatron.runtime.distributed import init_distributed
+from stapo_megatron.runtime.run_files import STOP_SIGNALS
 from stapo_megatron.trainer.batch import RolloutBatch
 from stapo_megatron.trainer.checkpoint_directory import CheckpointDirectory
 from stapo_megatron.trainer.checkpointing import PIPELINE_KEY, Checkpointer
@@ -306,7 +307,7 @@ class Trainer:
             if signum == signal.SIGINT:
                 logger.info("stopping after the current step (checkpoint follows); Ctrl-C again to stop now")
 
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        for sig in (*STOP_SIGNALS, signal.SIGUSR1):
             signal.signal(sig, request_stop)
 
     # ---- the loop ---------------------------------------------------------------------------

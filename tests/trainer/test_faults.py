@@ -86,6 +86,31 @@ def test_a_step_whose_groups_are_all_filtered_out_makes_no_update(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_hangup_stops_like_sigterm_with_a_checkpoint_and_no_private_file_left(tmp_path):
+    """SIGHUP (a closed terminal, a dropped ssh session) is SIGTERM: the ranks stop after the current
+    step with a checkpoint, the command exits 0, and neither the lock nor the ranks' private config
+    (which holds the run's secrets) stays behind."""
+    from stapo_megatron.runtime.run_files import RANKS_CONFIG
+    from stapo_megatron.runtime.run_lock import LOCK_FILE
+
+    run_dir = tmp_path / "run"
+    process = start_session(train_command(run_dir, "run.steps=10000"))
+    try:
+        deadline = time.monotonic() + 300
+        while not ((run_dir / "metrics.jsonl").is_file() and len(metrics(run_dir)) >= 2):
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        process.send_signal(signal.SIGHUP)
+        output, _ = process.communicate(timeout=300)
+    finally:
+        kill_tree(process.pid)
+    assert process.returncode == 0, output[-3000:]
+    last = metrics(run_dir)[-1]["step"]
+    assert last < 10000 and (run_dir / "checkpoints" / f"iter_{last:07d}" / "stapo_complete.json").is_file()
+    assert not (run_dir / LOCK_FILE).exists() and not (run_dir / RANKS_CONFIG).exists()
+    assert not (run_dir / "STOP").exists()
+
+
 def test_ctrl_c_writes_a_checkpoint_and_exits_cleanly(tmp_path):
     run_dir = tmp_path / "run"
     process = start_session(train_command(run_dir, "run.steps=10000"))
