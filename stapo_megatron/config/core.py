@@ -144,6 +144,9 @@ def _preset_path(kind: str, name: str, where: str) -> Path:
 # A config is a few hundred YAML nodes; aliases expanding past this are a "billion laughs" document.
 MAX_YAML_NODES = 100_000
 MAX_YAML_BYTES = 16 << 20
+# No field takes an integer near this many digits (every bound is below 2**64); Python refuses to read
+# one of more than 4,300 with a traceback.
+MAX_INT_DIGITS = 100
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
@@ -210,6 +213,18 @@ class StrictLoader(yaml.SafeLoader):
                     raise YAMLRefused(f"duplicate key {key!r} (line {key_node.start_mark.line + 1})")
                 seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+def _construct_bounded_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    digits = sum(ch.isdigit() for ch in str(node.value))
+    if digits > MAX_INT_DIGITS:
+        raise YAMLRefused(
+            f"an integer of {digits} digits (line {node.start_mark.line + 1}), more than {MAX_INT_DIGITS}"
+        )
+    return yaml.SafeLoader.construct_yaml_int(loader, node)
+
+
+StrictLoader.add_constructor("tag:yaml.org,2002:int", _construct_bounded_int)
 
 
 def _yaml_error_line(err: yaml.YAMLError) -> str:
@@ -373,7 +388,10 @@ def _to_float(value: Any, where: str) -> float:
 
 def _to_str(value: Any, where: str) -> str:
     if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-        return str(value)
+        text = str(value)
+        if "\x00" in text:  # no path, name or command can hold one (os calls refuse it with a traceback)
+            raise ConfigError(f"{where}: contains a NUL character")
+        return text
     raise ConfigError(f"{where}: expected a string, got {value!r}")
 
 

@@ -249,3 +249,39 @@ def test_stapo_config_reports_a_duplicate_key_in_one_line(tmp_path):
     )
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == f"stapo: error: config file {path} is not valid YAML: duplicate key 'run' (line 3)\n"
+
+
+def test_huge_integers_and_nul_characters_are_one_line_naming_the_field(tmp_path):
+    """An integer of 5,000 digits (Python refuses to read one over 4,300 with a traceback) and a NUL
+    in a string (every os call refuses it with a traceback) are refused as they load."""
+    huge = "9" * 5000
+    with pytest.raises(
+        ConfigError, match=r"^override 'run.steps': .*an integer of 5000 digits \(line 1\), more than 100$"
+    ):
+        load_config(TrainConfig, None, [f"run.steps={huge}"])
+    path = tmp_path / "huge.yaml"
+    path.write_text(f"run:\n  steps: {huge}\n")
+    with pytest.raises(ConfigError, match=r"an integer of 5000 digits \(line 2\), more than 100$"):
+        load_config(TrainConfig, path)
+    assert load_config(TrainConfig, None, ["run.steps=12"]).run.steps == 12  # ordinary integers still load
+    for field in ("name", "output_dir"):
+        path = tmp_path / f"nul_{field}.yaml"
+        path.write_text(f'run:\n  {field}: "a\\0b"\n')
+        with pytest.raises(ConfigError, match=rf"^run.{field}: contains a NUL character$"):
+            load_config(TrainConfig, path)
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("RANK", "abc", "RANK: expected an integer, got 'abc'"),
+        ("RANK", "5000000", "RANK: must be in [0, 1048575], got '5000000'"),
+        ("STAPO_LOG_ALL_RANKS", "maybe", "STAPO_LOG_ALL_RANKS: expected 1 or 0 (true or false), got 'maybe'"),
+    ],
+)
+def test_a_bad_console_variable_is_one_line(monkeypatch, capsys, name, value, message):
+    from stapo_megatron.cli import main
+
+    monkeypatch.setenv(name, value)
+    assert main(["plan", "--model", "qwen3_1.7b", "--gpus", "8"]) == 2
+    assert capsys.readouterr().err == f"stapo: error: {message}\n"
