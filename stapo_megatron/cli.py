@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(func, args) -> int:
     """Run a command: a configuration error is one line and exit status 2, an interrupt 130."""
+
     def configured(args) -> None:
         # inside the one-line error handling: a bad RANK or STAPO_LOG_ALL_RANKS is one line too
         console.configure()  # the messages' channel (stderr); a command's product goes to stdout

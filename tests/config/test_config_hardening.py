@@ -279,9 +279,15 @@ def test_huge_integers_and_nul_characters_are_one_line_naming_the_field(tmp_path
         ("STAPO_LOG_ALL_RANKS", "maybe", "STAPO_LOG_ALL_RANKS: expected 1 or 0 (true or false), got 'maybe'"),
     ],
 )
-def test_a_bad_console_variable_is_one_line(monkeypatch, capsys, name, value, message):
-    from stapo_megatron.cli import main
-
-    monkeypatch.setenv(name, value)
-    assert main(["plan", "--model", "qwen3_1.7b", "--gpus", "8"]) == 2
-    assert capsys.readouterr().err == f"stapo: error: {message}\n"
+def test_a_bad_console_variable_is_one_line(name, value, message):
+    # a process of its own: the console is configured once per process
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), name: value}
+    result = subprocess.run(
+        [sys.executable, "-m", "stapo_megatron.cli", "plan", "--model", "qwen3_1.7b", "--gpus", "8"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == f"stapo: error: {message}\n"
