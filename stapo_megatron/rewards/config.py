@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Literal
 
 from stapo_megatron.config import MAX_TOKENS, ConfigError, option
@@ -11,6 +12,9 @@ from stapo_megatron.rewards.custom import FUNCTION_SPEC
 from stapo_megatron.rewards.dapo_math import DapoAnswer
 
 RewardKind = Literal["math", "dapo", "exact", "free_words", "custom"]
+
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclasses.dataclass
@@ -86,9 +90,18 @@ class RewardConfig:
     cache_size: int = option(
         8192, "parsed (math) or normalized (dapo) answers and verdicts each worker keeps (LRU)", ge=0, le=1 << 24
     )
+    pass_env: list[str] = option(
+        [],
+        "names of environment variables the reward workers see besides their allow-list (the interpreter's, "
+        "the locale's, the thread counts: rewards/pool.py WORKER_ENV); no key, token, rank identity or "
+        "launcher variable reaches a reward function otherwise",
+    )
 
     def __post_init__(self):
         check_fields(self)  # RewardPool builds this section from its arguments, not through build()
+        for name in self.pass_env:
+            if not ENV_NAME.fullmatch(name):
+                raise ConfigError(f"pass_env: {name!r} is not an environment variable name")
         if self.kind == "custom":
             if not self.function:
                 raise ConfigError("function: required with kind custom ('package.module:function')")

@@ -75,6 +75,48 @@ def _stop_all(workers: list[_Worker]) -> None:
     workers.clear()
 
 
+# What a reward worker's environment holds: what the interpreter, the locale and the math libraries
+# read, and a measured test run's coverage settings. A user's reward function is untrusted code: no
+# API key, token, run-lock token, rank identity or launcher variable (torchrun's would make it a rank)
+# reaches it unless reward.pass_env names it.
+WORKER_ENV = frozenset(
+    {
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "SHELL",
+        "LANG",
+        "LANGUAGE",
+        "TZ",
+        "TMPDIR",
+        "TEMP",
+        "TMP",
+        "PYTHONPATH",
+        "PYTHONHASHSEED",
+        "PYTHONDONTWRITEBYTECODE",
+        "PYTHONUNBUFFERED",
+        "PYTHONIOENCODING",
+        "VIRTUAL_ENV",
+        "LD_LIBRARY_PATH",
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+    }
+)
+WORKER_ENV_PREFIXES = ("LC_", "COVERAGE_")
+
+
+def worker_environment(environ: Mapping[str, str], pass_env: Sequence[str] = ()) -> dict[str, str]:
+    """The environment a reward worker starts with: ``environ``'s :data:`WORKER_ENV` and ``pass_env``."""
+    named = set(pass_env)
+    return {
+        name: value
+        for name, value in environ.items()
+        if name in WORKER_ENV or name.startswith(WORKER_ENV_PREFIXES) or name in named
+    }
+
+
 class RewardPool:
     """Rewards for batches of responses: ``score(responses, answers, extras) -> list[RewardResult]``.
 
@@ -104,6 +146,7 @@ class RewardPool:
         worker_init: Callable[[], None] | None = None,
         dapo_answer: DapoAnswer = "strict_box",
         function: str = "",
+        pass_env: Sequence[str] = (),
     ):
         # The config's checks, with the config's messages.
         RewardConfig(
@@ -118,8 +161,10 @@ class RewardPool:
             memory_limit_mb=memory_limit_mb,
             forbid_code_eval=forbid_code_eval,
             cache_size=cache_size,
+            pass_env=list(pass_env),
         )
         self.kind = kind
+        self.pass_env = tuple(pass_env)
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.hard_limit_s = float(timeout_s) + float(kill_grace_s)
@@ -164,6 +209,7 @@ class RewardPool:
             worker_init=worker_init,
             dapo_answer=cfg.dapo_answer,
             function=cfg.function,
+            pass_env=cfg.pass_env,
         )
 
     # ------------------------------------------------------------------ public
@@ -262,7 +308,7 @@ class RewardPool:
 
     def _spawn(self) -> _Worker:
         parent_end, child_end = multiprocessing.Pipe(duplex=True)
-        env = dict(os.environ)
+        env = worker_environment(os.environ, self.pass_env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         fd = child_end.fileno()
         proc = subprocess.Popen(

@@ -114,3 +114,10 @@ async def asynchronous(response, ground_truth, extra):
 def cites_row(response, ground_truth, extra):
     """1 when the response boxes the ground truth; the reason names the row's id (benchmark rows have one)."""
     return (1.0 if f"\\boxed{{{ground_truth}}}" in response else 0.0), f"row id {extra.get('id')}"
+
+
+def reports_its_environment(response, ground_truth, extra):
+    """Scores 1 and names, as its reason, the variables of the response's list that it can read."""
+    import os
+
+    return 1.0, ",".join(name for name in response.split(",") if name in os.environ)

@@ -230,3 +230,35 @@ def test_the_config_docs_document_the_field():
     assert "custom: the function named by reward.function" in rows["reward.kind"][2]
     assert "'package.module:function'" in rows["reward.function"][2]
     assert "function(response, ground_truth, extra)" in rows["reward.function"][2]
+
+
+def test_a_reward_function_sees_no_key_token_or_rank_identity(monkeypatch):
+    """The workers start from an allow-list (the interpreter's, the locale's, the thread counts) plus
+    reward.pass_env: the trainer's secrets and torchrun's variables never reach a reward function."""
+    from stapo_megatron.rollout.sglang_launch import KEY_ENV
+    from stapo_megatron.runtime.run_lock import TOKEN_ENV
+
+    secret = {
+        KEY_ENV: "sglang-key",
+        TOKEN_ENV: "lock-token",
+        "HF_TOKEN": "hf_x",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "STAPO_TEST_PASSED": "yes",
+    }
+    for name, value in secret.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("LC_ALL", "C.UTF-8")
+    asked = ",".join([*secret, "PATH", "LC_ALL"])
+    pool = custom_pool("reports_its_environment", pass_env=["STAPO_TEST_PASSED"])
+    try:
+        [result] = pool.score([asked], ["x"])
+    finally:
+        pool.close()
+    assert result.reward == 1.0 and result.detail == "STAPO_TEST_PASSED,PATH,LC_ALL", result
+    with pytest.raises(ConfigError, match=r"^pass_env: 'A-B' is not an environment variable name$"):
+        RewardConfig(pass_env=["A-B"])
