@@ -8,7 +8,7 @@ turns what it returns into ``(reason, score, detail)``. The trainer's process ne
 user's module: the check before a run starts asks a short-lived worker
 (:func:`stapo_megatron.rewards.pool.check_reward_function`).
 
-A function returns a score in [0, 1] (a float, an int or a bool), a ``(score, reason)`` pair or a
+A function returns a score in [0, 1] (a float, an int or a bool, numpy's too), a ``(score, reason)`` pair or a
 dict ``{"score": ..., "reason": ...}`` (``reason`` optional); ``reason`` is text or None. The score
 sets the reason category: 1 ``correct``, 0 ``wrong``, in between ``partial``; the function's own
 reason is the result's ``detail``. Anything else it returns, and any exception it raises, scores 0
@@ -123,6 +123,8 @@ def score_of(returned: Any) -> tuple[str, float, str | None]:
         score = returned
     if reason is not None and not isinstance(reason, str):
         return "error", 0.0, f"returned the reason {_describe(reason)}; expected text or None"
+    if _numpy_bool(score):
+        score = bool(score)
     if not isinstance(score, (bool, numbers.Real)):
         return "error", 0.0, f"returned the score {_describe(score)}; {_EXPECTED}"
     try:
@@ -133,6 +135,13 @@ def score_of(returned: Any) -> tuple[str, float, str | None]:
         return "error", 0.0, f"returned the score {value!r}, outside [0, 1]"
     category = "correct" if value == 1.0 else "wrong" if value == 0.0 else "partial"
     return category, value, _one_line(str(reason)) if reason is not None else None
+
+
+def _numpy_bool(value: Any) -> bool:
+    """numpy's boolean scalar (``np.bool_``; ``np.bool`` in numpy 2), which, unlike numpy's integers and
+    floats, is no ``numbers.Real``; recognised without importing numpy."""
+    kind = type(value)
+    return kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool")
 
 
 class CustomVerifier:

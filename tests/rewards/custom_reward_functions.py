@@ -11,6 +11,8 @@ import signal
 import sys
 import time
 
+import numpy
+
 # Valid returns, by response text, and the (reason, reward, detail) each must give.
 VALID_RETURNS = {
     "float": (0.25, ("partial", 0.25, None)),
@@ -22,6 +24,11 @@ VALID_RETURNS = {
     "pair without reason": ((1.0, None), ("correct", 1.0, None)),
     "dict": ({"score": 0.0, "reason": "no final answer"}, ("wrong", 0.0, "no final answer")),
     "dict without reason": ({"score": 0.5}, ("partial", 0.5, None)),
+    # numpy's scalars, as a function that compares arrays returns them (np.bool_ is no numbers.Real)
+    "numpy true": (numpy.bool_(True), ("correct", 1.0, None)),
+    "numpy false": (numpy.bool_(False), ("wrong", 0.0, None)),
+    "numpy float": (numpy.float32(0.5), ("partial", 0.5, None)),
+    "numpy pair": ((numpy.bool_(True), "all equal"), ("correct", 1.0, "all equal")),
 }
 # Returns that are not scores, by response text, and the detail each must give (reason error, reward 0).
 BAD_RETURNS = {

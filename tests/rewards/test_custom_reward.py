@@ -29,7 +29,7 @@ def test_returned_scores_become_rewards_and_reasons():
     with custom_pool("scripted", num_workers=2) as pool:
         results = pool.score(list(VALID_RETURNS), ["4"] * len(VALID_RETURNS))
     assert outcomes(results) == [expected for _, expected in VALID_RETURNS.values()]
-    assert [r.reward for r in results] == [0.25, 1.0, 0.0, 1.0, 0.0, 0.75, 1.0, 0.0, 0.5]
+    assert [r.reward for r in results] == [0.25, 1.0, 0.0, 1.0, 0.0, 0.75, 1.0, 0.0, 0.5, 1.0, 0.0, 0.5, 1.0]
     assert all(r.extracted is None for r in results)
 
 
