@@ -107,6 +107,14 @@ WORKER_ENV = frozenset(
 WORKER_ENV_PREFIXES = ("LC_", "COVERAGE_")
 
 
+def _has_fileno(stream) -> bool:
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (captured, closed)
+        return False
+    return True
+
+
 def worker_environment(environ: Mapping[str, str], pass_env: Sequence[str] = ()) -> dict[str, str]:
     """The environment a reward worker starts with: ``environ``'s :data:`WORKER_ENV` and ``pass_env``."""
     named = set(pass_env)
@@ -315,6 +323,9 @@ class RewardPool:
             [sys.executable, "-c", _WORKER_ENTRY, str(fd)],
             pass_fds=(fd,),
             stdin=subprocess.DEVNULL,
+            # what a reward function prints goes to the messages' channel, never into a command's product
+            # (stapo eval's table, stapo config's YAML on stdout)
+            stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else subprocess.DEVNULL,
             env=env,
             # Its own session: a ^C at the terminal is the trainer's to handle, not the workers'.
             start_new_session=True,

@@ -128,3 +128,9 @@ def reports_its_environment(response, ground_truth, extra):
     import os
 
     return 1.0, ",".join(name for name in response.split(",") if name in os.environ)
+
+
+def prints(response, ground_truth, extra):
+    """A reward function that prints as it scores (debugging output, an escape sequence)."""
+    print(f"\x1b]0;title\x07scoring {response}")
+    return 1.0

@@ -262,3 +262,23 @@ def test_a_reward_function_sees_no_key_token_or_rank_identity(monkeypatch):
     assert result.reward == 1.0 and result.detail == "STAPO_TEST_PASSED,PATH,LC_ALL", result
     with pytest.raises(ConfigError, match=r"^pass_env: 'A-B' is not an environment variable name$"):
         RewardConfig(pass_env=["A-B"])
+
+
+def test_what_a_reward_function_prints_never_reaches_the_commands_stdout(tmp_path):
+    """stdout is a command's product (stapo eval's table): a reward function's prints go to stderr."""
+    import subprocess
+
+    from tests.helpers import REPO_ROOT
+
+    script = (
+        "from stapo_megatron.rewards import RewardPool\n"
+        f"pool = RewardPool(kind='custom', function='{FUNCTIONS}:prints', num_workers=1)\n"
+        "print('table:', [r.reward for r in pool.score(['a', 'b'], ['1', '1'])])\n"
+        "pool.close()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == "table: [1.0, 1.0]\n"
+    assert "scoring a" in done.stderr and "scoring b" in done.stderr
