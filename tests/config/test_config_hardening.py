@@ -236,17 +236,21 @@ def test_malformed_yaml_files_give_one_line(tmp_path):
         read_yaml(broken)
 
 
+def _stapo_process(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``stapo ARGS`` in a process of its own, ``env`` on top of this one's."""
+    return subprocess.run(
+        [sys.executable, "-m", "stapo_megatron.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})},
+        timeout=120,
+    )
+
+
 def test_stapo_config_reports_a_duplicate_key_in_one_line(tmp_path):
     path = tmp_path / "dup.yaml"
     path.write_text("run:\n  name: kept\nrun:\n  steps: 2\n")
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    result = subprocess.run(
-        [sys.executable, "-m", "stapo_megatron.cli", "config", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    result = _stapo_process("config", "--config", str(path))
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == f"stapo: error: config file {path} is not valid YAML: duplicate key 'run' (line 3)\n"
 
@@ -281,13 +285,6 @@ def test_huge_integers_and_nul_characters_are_one_line_naming_the_field(tmp_path
 )
 def test_a_bad_console_variable_is_one_line(name, value, message):
     # a process of its own: the console is configured once per process
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), name: value}
-    result = subprocess.run(
-        [sys.executable, "-m", "stapo_megatron.cli", "plan", "--model", "qwen3_1.7b", "--gpus", "8"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    result = _stapo_process("plan", "--model", "qwen3_1.7b", "--gpus", "8", env={name: value})
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == f"stapo: error: {message}\n"

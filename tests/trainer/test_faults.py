@@ -85,6 +85,21 @@ def test_a_step_whose_groups_are_all_filtered_out_makes_no_update(tmp_path):
     assert (run_dir / "checkpoints" / "iter_0000002" / "stapo_complete.json").is_file()
 
 
+def _signalled_after_two_steps(run_dir, signum) -> tuple[subprocess.Popen, str]:
+    """A long `stapo train` sent ``signum`` once it has logged two steps; the process and its output."""
+    process = start_session(train_command(run_dir, "run.steps=10000"))
+    try:
+        deadline = time.monotonic() + 300
+        while not ((run_dir / "metrics.jsonl").is_file() and len(metrics(run_dir)) >= 2):
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        process.send_signal(signum)
+        output, _ = process.communicate(timeout=300)
+    finally:
+        kill_tree(process.pid)  # nothing is left running if the test fails
+    return process, output
+
+
 @pytest.mark.slow
 def test_a_hangup_stops_like_sigterm_with_a_checkpoint_and_no_private_file_left(tmp_path):
     """SIGHUP (a closed terminal, a dropped ssh session) is SIGTERM: the ranks stop after the current
@@ -94,16 +109,7 @@ def test_a_hangup_stops_like_sigterm_with_a_checkpoint_and_no_private_file_left(
     from stapo_megatron.runtime.run_lock import LOCK_FILE
 
     run_dir = tmp_path / "run"
-    process = start_session(train_command(run_dir, "run.steps=10000"))
-    try:
-        deadline = time.monotonic() + 300
-        while not ((run_dir / "metrics.jsonl").is_file() and len(metrics(run_dir)) >= 2):
-            assert process.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
-        process.send_signal(signal.SIGHUP)
-        output, _ = process.communicate(timeout=300)
-    finally:
-        kill_tree(process.pid)
+    process, output = _signalled_after_two_steps(run_dir, signal.SIGHUP)
     assert process.returncode == 0, output[-3000:]
     last = metrics(run_dir)[-1]["step"]
     assert last < 10000 and (run_dir / "checkpoints" / f"iter_{last:07d}" / "stapo_complete.json").is_file()
@@ -113,16 +119,8 @@ def test_a_hangup_stops_like_sigterm_with_a_checkpoint_and_no_private_file_left(
 
 def test_ctrl_c_writes_a_checkpoint_and_exits_cleanly(tmp_path):
     run_dir = tmp_path / "run"
-    process = start_session(train_command(run_dir, "run.steps=10000"))
-    try:
-        deadline = time.monotonic() + 300
-        while not ((run_dir / "metrics.jsonl").is_file() and len(metrics(run_dir)) >= 2):
-            assert process.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
-        process.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground `stapo train`
-        output, _ = process.communicate(timeout=300)
-    finally:
-        kill_tree(process.pid)  # nothing is left running if the test fails
+    # SIGINT: what Ctrl-C sends to the foreground `stapo train`
+    process, output = _signalled_after_two_steps(run_dir, signal.SIGINT)
     assert process.returncode == 0, output[-3000:]
     last = metrics(run_dir)[-1]["step"]
     assert last < 10000
